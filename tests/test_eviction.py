@@ -1,0 +1,232 @@
+"""With a small budget the cache really evicts: bounded live tokens, smaller storage,
+protected tokens kept, logical positions, memory released, sampling works."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+
+import reasonkv
+from conftest import HEAD_DIM, N_LAYERS, greedy_loop, random_prompt, tiny_model
+from reasonkv.policies.base import EMPTY
+
+PROMPT, NEW = 10, 48
+BUDGET = 16
+# Small intervals so that compressions happen many times in a short run.
+METHODS = {
+    "streaming": dict(budget=BUDGET),
+    "tova": dict(budget=BUDGET),
+    "snapkv": dict(budget=BUDGET, interval=4),
+}
+# Expected live-token bound per head: every-step methods hold `budget` after each step,
+# the buffer schedule lets a head grow to budget + interval - 1 before compressing.
+EXPECTED_BOUND = {"streaming": BUDGET, "tova": BUDGET, "snapkv": BUDGET + 4 - 1}
+MODELS = [("llama", "sdpa", 2), ("qwen3", "eager", 4), ("mistral", "sdpa", 1)]
+
+
+def live_positions(layer, row: int, head: int) -> list[int]:
+    """Sequence indices of the real tokens a head holds, in slot order."""
+    n = int(layer.lengths[row, head])
+    index = layer.token_index[row, head, :n]
+    return index[index != EMPTY].tolist()
+
+
+def storage_bytes(batch: int, kv_heads: int, capacity: int) -> int:
+    """What K and V storage of `capacity` slots per head must cost in fp32, all layers."""
+    return N_LAYERS * 2 * batch * kv_heads * capacity * HEAD_DIM * 4
+
+
+@pytest.mark.parametrize("arch,attn,kv_heads", MODELS)
+@pytest.mark.parametrize("method", METHODS)
+def test_live_tokens_never_exceed_the_schedule_bound(
+    method: str, arch: str, attn: str, kv_heads: int
+) -> None:
+    model = tiny_model(arch, attn, kv_heads)
+    cache = reasonkv.make_cache(model, method, **METHODS[method])
+    bound = cache.live_token_bound()
+    assert bound == EXPECTED_BOUND[method]
+    capacity = bound + 1  # storage is preallocated up to the compression trigger
+
+    def check(c, fed: int) -> None:
+        assert c.get_seq_length() == fed
+        mem = c.memory()
+        assert int(mem["live_tokens"].max()) <= bound
+        assert mem["seen_tokens"] == fed
+        for layer in c.layers:
+            assert int(layer.n_valid.max()) <= bound
+            assert layer.keys.shape[2] == capacity
+            real = (layer.token_index[:, :, : layer.used] != EMPTY).sum(-1)
+            assert torch.equal(real, layer.n_valid), "n_valid must count the real stored tokens"
+        assert mem["kv_bytes"] == storage_bytes(1, kv_heads, capacity)
+
+    greedy_loop(model, random_prompt(PROMPT, seed=7), cache, NEW, after_step=check)
+    assert len(cache.events) >= N_LAYERS * 3, "the run must have compressed repeatedly"
+
+    full = reasonkv.make_cache(model, "full")
+    greedy_loop(model, random_prompt(PROMPT, seed=7), full, NEW)
+    full_mem, mem = full.memory(), cache.memory()
+    assert full_mem["kv_bytes"] >= storage_bytes(1, kv_heads, PROMPT + NEW)
+    assert mem["kv_bytes"] < full_mem["kv_bytes"]
+    assert mem["physical_bytes"] < full_mem["physical_bytes"]
+    assert torch.all(full_mem["live_tokens"] == PROMPT + NEW)
+
+
+def test_streaming_keeps_exactly_the_sinks_and_the_newest_tokens() -> None:
+    model = tiny_model("llama", "sdpa", 2)
+    n_sink = 4
+    cache = reasonkv.make_cache(model, "streaming", BUDGET, n_sink=n_sink)
+
+    def check(c, fed: int) -> None:
+        expected = (
+            list(range(min(fed, BUDGET)))
+            if fed <= BUDGET
+            else (list(range(n_sink)) + list(range(fed - (BUDGET - n_sink), fed)))
+        )
+        for layer in c.layers:
+            for head in range(2):
+                assert live_positions(layer, 0, head) == expected
+
+    greedy_loop(model, random_prompt(PROMPT, seed=8), cache, NEW, after_step=check)
+
+
+@pytest.mark.parametrize("method", ("tova", "snapkv"))
+def test_sinks_and_recent_window_survive_every_eviction(method: str) -> None:
+    model = tiny_model("qwen2", "sdpa", 2)
+    n_sink, n_recent = 3, 5
+    cache = reasonkv.make_cache(model, method, n_sink=n_sink, n_recent=n_recent, **METHODS[method])
+
+    def check(c, fed: int) -> None:
+        for layer in c.layers:
+            for head in range(2):
+                kept = live_positions(layer, 0, head)
+                assert kept == sorted(kept), "kept tokens stay in positional order"
+                assert kept[:n_sink] == list(range(n_sink))
+                assert kept[-n_recent:] == list(range(fed - n_recent, fed))
+
+    greedy_loop(model, random_prompt(PROMPT, seed=9), cache, NEW, after_step=check)
+    assert cache.events
+
+
+def test_scored_methods_evict_different_tokens_per_head() -> None:
+    """Per-head selection is real: TOVA's heads end up keeping different middle tokens."""
+    model = tiny_model("llama", "sdpa", 4)
+    cache = reasonkv.make_cache(model, "tova", BUDGET)
+    greedy_loop(model, random_prompt(PROMPT, seed=10), cache, NEW)
+    kept = {tuple(live_positions(layer, 0, h)) for layer in cache.layers for h in range(4)}
+    assert len(kept) > 1
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_positions_stay_logical_after_eviction(method: str) -> None:
+    """Without position_ids the model takes the position from get_seq_length(): it must be
+    the number of tokens fed (RoPE at the logical position), not the physical length."""
+    model = tiny_model("llama", "sdpa", 2)
+    cache = reasonkv.make_cache(model, method, **METHODS[method])
+    prompt = random_prompt(PROMPT, seed=11)
+    checked = 0
+    with torch.no_grad():
+        out = model(input_ids=prompt, cache=cache)
+        fed = PROMPT
+        for step in range(NEW):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            physical = cache.layers[0].used
+            check_now = fed > BUDGET + 4 and step % 5 == 0
+            if check_now:
+                assert physical < fed, "the check needs a cache that has evicted"
+                explicit = model(
+                    input_ids=token, cache=copy.deepcopy(cache), position_ids=torch.tensor([[fed]])
+                ).logits
+                wrong = model(
+                    input_ids=token, cache=copy.deepcopy(cache), position_ids=torch.tensor([[physical]])
+                ).logits
+            out = model(input_ids=token, cache=cache)
+            fed += 1
+            assert cache.get_seq_length() == fed
+            if check_now:
+                torch.testing.assert_close(out.logits, explicit, atol=1e-5, rtol=0)
+                assert not torch.allclose(out.logits, wrong, atol=1e-3), "the test must tell positions apart"
+                checked += 1
+    assert checked >= 5
+
+
+@pytest.mark.parametrize("attn", ("sdpa", "eager"))
+@pytest.mark.parametrize("method", METHODS)
+def test_generate_with_eviction_equals_manual_greedy_loop(method: str, attn: str) -> None:
+    model = tiny_model("qwen3", attn, 2)
+    prompt = random_prompt(PROMPT, seed=12)
+    loop_cache = reasonkv.make_cache(model, method, **METHODS[method])
+    gen_cache = reasonkv.make_cache(model, method, **METHODS[method])
+
+    tokens, _ = greedy_loop(model, prompt, loop_cache, NEW)
+    # generate feeds back all but its last token: NEW + 1 new tokens feed the same NEW.
+    out = model.generate(prompt, cache=gen_cache, max_new_tokens=NEW + 1, do_sample=False)
+
+    assert torch.equal(out[:, PROMPT : PROMPT + NEW], tokens)
+    assert gen_cache.get_seq_length() == loop_cache.get_seq_length() == PROMPT + NEW
+    for a, b in zip(gen_cache.layers, loop_cache.layers, strict=True):
+        assert torch.equal(a.lengths, b.lengths)
+        assert torch.equal(a.token_index[:, :, : a.used], b.token_index[:, :, : b.used])
+
+
+def test_eviction_changes_the_output() -> None:
+    """Sanity of the fixtures: a small budget does change greedy tokens on these models,
+    so equalities elsewhere are not vacuous."""
+    model = tiny_model("llama", "sdpa", 2)
+    prompt = random_prompt(PROMPT, seed=13)
+    full, _ = greedy_loop(model, prompt, reasonkv.make_cache(model, "full"), NEW)
+    small, _ = greedy_loop(model, prompt, reasonkv.make_cache(model, "streaming", 6, n_sink=2), NEW)
+    assert not torch.equal(full, small)
+
+
+@pytest.mark.parametrize("method", ("snapkv", "tova"))
+def test_compression_releases_the_old_storage(method: str) -> None:
+    model = tiny_model("llama", "sdpa", 2)
+    cache = reasonkv.make_cache(model, method, **METHODS[method])
+    bound = cache.live_token_bound()
+    prompt = random_prompt(PROMPT, seed=14)
+    compressions = writes_in_place = 0
+    gc.disable()  # the release must come from reference counting, not from a later collection
+    try:
+        with torch.no_grad():
+            out = model(input_ids=prompt, cache=cache)
+            for _ in range(NEW):
+                layer = cache.layers[0]
+                old_keys, old_ptr = weakref.ref(layer.keys), layer.keys.data_ptr()
+                n_events = len(cache.events)
+                out = model(input_ids=out.logits[:, -1].argmax(-1, keepdim=True), cache=cache)
+                if any(e.layer == 0 for e in cache.events[n_events:]):
+                    compressions += 1
+                    assert old_keys() is None, "the pre-compression storage must be unreferenced"
+                    assert layer.keys.shape[2] == bound + 1  # the kept budget + the schedule's slack
+                    assert layer.keys.untyped_storage().nbytes() == 2 * (bound + 1) * HEAD_DIM * 4
+                    assert layer.values.untyped_storage().nbytes() == layer.keys.untyped_storage().nbytes()
+                else:
+                    # Between compressions decoding writes into the preallocated storage.
+                    assert old_keys() is layer.keys and layer.keys.data_ptr() == old_ptr
+                    writes_in_place += 1
+    finally:
+        gc.enable()
+    assert compressions >= 3
+    if method == "snapkv":
+        assert writes_in_place >= 3
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sampling_with_eviction_produces_the_requested_tokens(method: str) -> None:
+    model = tiny_model("mistral", "sdpa", 2)
+    prompt = random_prompt(PROMPT, seed=15, batch=2)
+    kwargs = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=True, top_p=0.9, temperature=0.8)
+    runs = []
+    for _ in range(2):
+        cache = reasonkv.make_cache(model, method, **METHODS[method])
+        torch.manual_seed(0)
+        out = model.generate(prompt, cache=cache, **kwargs)
+        assert out.shape == (2, PROMPT + NEW)
+        assert cache.events, "sampling must run through evictions"
+        assert int(cache.memory()["live_tokens"].max()) <= cache.live_token_bound()
+        runs.append(out)
+    assert torch.equal(runs[0], runs[1]), "the cache adds no randomness of its own"
