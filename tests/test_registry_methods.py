@@ -3,6 +3,9 @@ exact when nothing is evicted, bounded memory over a long decode, padding-safe b
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,13 +18,29 @@ BUDGET = 32
 SMALL_INTERVAL = 16  # schedules with an `interval` knob compress often in short runs
 
 
+def profile_knobs(model, method: str) -> dict:
+    """Profile-driven methods (ReasonAlloc) need a profile of the model: give the tiny model
+    one with a non-flat demand curve, so layers really get different budgets."""
+    if "profile" not in reasonkv.get_method(method).knobs():
+        return {}
+    from reasonkv.profile import config_hash, save_profile
+
+    n = model.config.num_hidden_layers
+    folder = Path(tempfile.gettempdir()) / "reasonkv-test-profiles"
+    path = folder / f"{config_hash(model.config)}.json"
+    if not path.exists():
+        demand = [1.0 + (i % 2) for i in range(n)]  # 1, 2, 1, 2, ... : layer budgets 2:1 apart
+        save_profile({"model": "tiny", "config_hash": config_hash(model.config), "demand": demand}, path)
+    return {"profile": str(path)}
+
+
 def small_cache(model, method: str):
     """`method` at a budget well below the runs of these tests."""
     spec = reasonkv.get_method(method)
     if not spec.compresses:
         return reasonkv.make_cache(model, method, None)
     knobs = {"interval": SMALL_INTERVAL} if "interval" in spec.knobs() else {}
-    return reasonkv.make_cache(model, method, BUDGET, **knobs)
+    return reasonkv.make_cache(model, method, BUDGET, **knobs, **profile_knobs(model, method))
 
 
 @pytest.mark.parametrize("arch,attn,kv_heads", [("llama", "sdpa", 2), ("qwen3", "eager", 4)])
@@ -30,7 +49,7 @@ def test_no_eviction_equals_dynamic_cache(method: str, arch: str, attn: str, kv_
     model = tiny_model(arch, attn, kv_heads)
     prompt = random_prompt(PROMPT, seed=21)
     budget = None if not reasonkv.get_method(method).compresses else 4096
-    cache = reasonkv.make_cache(model, method, budget)
+    cache = reasonkv.make_cache(model, method, budget, **profile_knobs(model, method))
 
     tokens, logits = greedy_loop(model, prompt, cache, 30)
     ref_tokens, ref_logits = greedy_loop(model, prompt, dynamic_cache(), 30)

@@ -27,7 +27,8 @@ def install_attention(model) -> str:
     return name
 
 
-def _split_knobs(spec, overrides: dict) -> tuple[dict, dict, dict, dict]:
+def _split_knobs(spec, overrides: dict) -> dict[str, dict]:
+    """Route every knob (defaults, then overrides) to the part that owns it."""
     knobs = spec.knobs()
     unknown = sorted(set(overrides) - set(knobs))
     if unknown:
@@ -43,8 +44,42 @@ def _split_knobs(spec, overrides: dict) -> tuple[dict, dict, dict, dict]:
         names = {f.name for f in dataclasses.fields(cls) if f.init and f.name != "name"}
         return {k: v for k, v in knobs.items() if k in names}
 
-    protection = {k: knobs[k] for k in PROTECTION_KNOBS}
-    return fields_of(spec.scorer), fields_of(spec.schedule), fields_of(spec.allocator), protection
+    return {
+        "scorer": fields_of(spec.scorer),
+        "schedule": fields_of(spec.schedule),
+        "allocator": fields_of(spec.allocator),
+        "head_allocator": fields_of(spec.head_allocator),
+        "protection": {k: knobs[k] for k in PROTECTION_KNOBS},
+    }
+
+
+def _demand_loader(model):
+    """For profile-driven allocators: path (None = the packaged profile) -> demand curve."""
+
+    def load(path: str | None) -> list[float]:
+        from reasonkv.profile import find_profile, load_profile  # profile imports this module
+
+        if path is None:
+            path = find_profile(model.config)
+        if path is None:
+            name = model_shape(model).name
+            raise FileNotFoundError(
+                f"no ReasonAlloc profile ships for model {name!r}; make one with "
+                f"`reasonkv profile --model {name} --traces TRACES.jsonl --out {name}.json` and pass "
+                "profile=PATH (CLI: --set profile=PATH)"
+            )
+        return load_profile(path, model.config)["demand"]
+
+    return load
+
+
+def _min_budget(schedule, protected: int) -> int:
+    """The smallest per-head budget whose post-compression size still holds the protected
+    window (allocators that move budget between layers must not go below it)."""
+    budget = max(protected, 1)
+    while schedule.target(budget) < protected:
+        budget += 1
+    return budget
 
 
 def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overrides) -> CompressedCache:
@@ -56,16 +91,19 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
     """
     spec = get_method(method)
     shape = model_shape(model)
-    scorer_kw, schedule_kw, alloc_kw, protection = _split_knobs(spec, overrides)
-    scorer = spec.scorer(**scorer_kw)
-    schedule = spec.schedule(**schedule_kw) if isinstance(spec.schedule, type) else spec.schedule
+    parts = _split_knobs(spec, overrides)
+    protection = parts["protection"]
+    scorer = spec.scorer(**parts["scorer"])
+    schedule = spec.schedule(**parts["schedule"]) if isinstance(spec.schedule, type) else spec.schedule
     if spec.compresses:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
             raise ValueError(f"budget must be a positive number of tokens per KV head, got {budget!r}")
     budget = budget if spec.compresses else 1
-    allocator = spec.allocator(**alloc_kw)
-    budgets = allocator.allocate(shape.n_layers, shape.n_kv_heads, budget, None).long()
+    allocator = spec.allocator(**parts["allocator"])
+    head_allocator = spec.head_allocator(**parts["head_allocator"]) if spec.head_allocator else None
     protected = protection["n_sink"] + protection["n_recent"]
+    stats = {"min_budget": _min_budget(schedule, protected), "load_demand": _demand_loader(model)}
+    budgets = allocator.allocate(shape.n_layers, shape.n_kv_heads, budget, stats).long()
     if spec.compresses:
         smallest = min(schedule.target(int(b)) for b in budgets.flatten().tolist())
         if smallest < protected:
@@ -79,6 +117,7 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
     policy = LayerPolicy(
         scorer=scorer,
         schedule=schedule,
+        head_allocator=head_allocator,
         rope_inv_freq=getattr(rotary, "inv_freq", None),
         rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
         **protection,
@@ -94,7 +133,9 @@ def generate(model, tokenizer, prompt: str | list[str], cache: CompressedCache |
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if chat and getattr(tokenizer, "chat_template", None):
         prompts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
             for p in prompts
         ]
     inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)

@@ -13,7 +13,8 @@ Keys are stored post-RoPE and never re-rotated.
 
 The layer does not evict inside `update()`: `update()` appends and returns everything
 stored, the attention function (reasonkv.attention) computes attention with the cache's
-own mask, then calls `after_attention()`, which records the queries and compresses.
+own mask, then calls `after_attention()`, which hands the forward's queries to the
+scorer's `on_step` hook, records them in the query window, and compresses.
 So scores always index exactly the stored tokens, and the current step sees the
 pre-eviction cache.
 """
@@ -45,7 +46,19 @@ class CompressionEvent:
 
 @dataclass
 class LayerPolicy:
-    """What the cache needs to know to compress: shared by all layers of one cache."""
+    """What the cache needs to know to compress: shared by all layers of one cache.
+
+    The scorer's contract with the cache (see `CompressedCache.after_attention`):
+    - `window`: the cache keeps the last `window` queries of the layer (at least 1) in
+      `layer.queries/query_index/query_positions`; `score` sees them as `obs.queries`.
+    - `state_names` (optional): per-token state tensors [B, H, capacity] the cache allocates
+      (zero for new tokens) and gathers along with the keys at every eviction.
+    - `on_step(step, keys, layer)` (optional): called once per forward of each layer, after
+      attention and before the window is updated or anything is evicted. `step` holds THIS
+      forward's queries only (every one of them, whatever `window` is); `layer.queries` etc.
+      still hold the previous window. A scorer that must see every query (H2O, BeaconKV) does
+      so here, never by asking for a huge window; it must not modify the window itself.
+    """
 
     scorer: Scorer
     schedule: Schedule
@@ -53,8 +66,10 @@ class LayerPolicy:
     n_recent: int = 8
     protect_prompt: bool = False
     head_allocator: object | None = None
-    """Optional `split(layer_total [B], obs, scores, n_valid) -> [B, H]` for per-head
-    reallocation at each compression (AdaKV, ReasonAlloc); totals must be kept exactly.
+    """Optional `split(layer_total [B], obs, scores, n_valid, keys=, min_tokens=, rows=) -> [B, H]` for
+    per-head reallocation at each compression (AdaKV, ReasonAlloc); totals must be kept exactly
+    and no head may get fewer than `min_tokens` (the protected window) unless it has fewer.
+    `rows` [B] marks the rows that compress now; the others' results are discarded.
     None = the static budgets."""
     rope_inv_freq: torch.Tensor | None = None
     """The model's RoPE inverse frequencies (rope scaling already applied), for scorers
@@ -233,20 +248,28 @@ class CompressedLayer(CacheLayerMixin):
         return allowed | ~allowed.any(-1, keepdim=True)
 
     # ----------------------------------------------------------- observation
-    def observe(
-        self, query: torch.Tensor, new_valid: torch.Tensor | None, positions: torch.Tensor | None, window: int
-    ) -> None:
-        """Append the current step's queries to the window of the last `window` queries."""
-        if window <= 0:
-            return
-        b, _, q, _ = query.shape
+    def step_queries(
+        self, query: torch.Tensor, new_valid: torch.Tensor | None, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence indices [B, q] (-1 for padding) and RoPE positions [B, q] of the current
+        forward's queries (positions = indices when the model passes no position_ids).
+        The first forward is the prompt: it also records `prompt_end`."""
+        b, q = query.shape[0], query.shape[2]
         index = torch.arange(self.new_start, self.seen, device=query.device).expand(b, q)
         if new_valid is not None:
             index = index.masked_fill(~new_valid, -1)
-        if positions is None:
-            positions = index
-        positions = positions.expand(b, -1).to(index.dtype)
-        if self.queries is None or q >= window:
+        positions = index if positions is None else positions.expand(b, -1).to(index.dtype)
+        if self.prompt_end is None:
+            self.prompt_end = torch.full((b,), self.seen, dtype=torch.long, device=query.device)
+        return index, positions
+
+    def observe(self, query: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, window: int) -> None:
+        """Keep the last `window` queries of (the previous window, this forward's queries);
+        `index`/`positions` [B, q] come from `step_queries`."""
+        if window <= 0:
+            return
+        if self.queries is None or query.shape[2] >= window:
+            # Copies: a slice of a long prefill would keep all its queries alive.
             self.queries = query[:, :, -window:].detach().clone()
             self.query_index = index[:, -window:].clone()
             self.query_positions = positions[:, -window:].clone()
@@ -254,18 +277,29 @@ class CompressedLayer(CacheLayerMixin):
             self.queries = torch.cat([self.queries, query.detach()], dim=2)[:, :, -window:]
             self.query_index = torch.cat([self.query_index, index], dim=1)[:, -window:]
             self.query_positions = torch.cat([self.query_positions, positions], dim=1)[:, -window:]
-        if self.prompt_end is None:  # the first forward is the prompt
-            self.prompt_end = torch.full((b,), self.seen, dtype=torch.long, device=query.device)
 
     def observation(self, scaling: float) -> Observation:
+        """The query window and the stored tokens, as `score` sees them."""
+        return self._observation(self.queries, self.query_index, self.query_positions, scaling)
+
+    def step_observation(
+        self, query: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, scaling: float
+    ) -> Observation:
+        """This forward's queries only ([B, Hq, q, D], all of them) and the stored tokens, for `on_step`."""
+        return self._observation(query.detach(), index, positions, scaling)
+
+    def _observation(
+        self, queries: torch.Tensor | None, index: torch.Tensor | None, positions: torch.Tensor | None,
+        scaling: float,
+    ) -> Observation:
         return Observation(
-            queries=self.queries,
-            query_index=self.query_index,
+            queries=queries,
+            query_index=index,
             token_index=self.token_index[:, :, : self.used],
             scaling=scaling,
             state={k: v[:, :, : self.used] for k, v in self.state.items()},
             layer_idx=self.layer_idx,
-            query_positions=self.query_positions,
+            query_positions=positions,
             extras=self.extras,
             rope_inv_freq=self.policy.rope_inv_freq,
             rope_attention_scaling=self.policy.rope_attention_scaling,
@@ -370,6 +404,11 @@ class CompressedCache(Cache):
     Build it with `reasonkv.make_cache(model, method=..., budget=...)`, which also installs
     reasonkv's attention function on the model (it feeds the cache the queries and the
     padding information; without it the cache refuses to run).
+
+    Per forward of a layer, after attention (`after_attention`): the scorer's optional
+    `on_step(step, keys, layer)` sees this forward's queries while `layer.queries` still holds
+    the previous window; then the window is updated to the last `scorer.window` queries;
+    then, if the schedule fires, `score` ranks the stored tokens and the layer compacts.
     """
 
     def __init__(
@@ -421,14 +460,27 @@ class CompressedCache(Cache):
         positions: torch.Tensor | None,
         scaling: float,
     ) -> None:
-        """Record the step's queries, then compress the layer if its schedule says so."""
+        """Hand this forward's queries to the scorer, keep its window, then compress the layer
+        if its schedule says so.
+
+        1. `scorer.on_step(step, keys, layer)`, if defined: `step` is an Observation of THIS
+           forward's queries only (queries [B, Hq, q, D], query_index [B, q] with -1 for padding,
+           query_positions [B, q]) with the layer's stored tokens, state, extras and RoPE data;
+           `keys` [B, H, used, D]. `layer.queries/query_index/query_positions` still hold the
+           previous window (None at the first forward); `layer.state`/`layer.extras` are the
+           scorer's to update. Nothing has been evicted yet.
+        2. The window becomes the last `max(scorer.window, 1)` queries of (previous window, step).
+        3. If rows reach the schedule's trigger: `scorer.score(layer.observation(), ...)` and compaction.
+        """
         layer: CompressedLayer = self.layers[layer_idx]
         layer.pending = False
         scorer = self.policy.scorer
-        layer.observe(query, new_valid, positions, max(getattr(scorer, "window", 0), 1))
+        index, positions = layer.step_queries(query, new_valid, positions)
         on_step = getattr(scorer, "on_step", None)
         if on_step is not None:
-            on_step(layer.observation(scaling), layer.keys[:, :, : layer.used], layer)
+            step = layer.step_observation(query, index, positions, scaling)
+            on_step(step, layer.keys[:, :, : layer.used], layer)
+        layer.observe(query, index, positions, max(getattr(scorer, "window", 0), 1))
         rows = layer.rows_to_compress()
         if rows is None:
             return
@@ -441,7 +493,10 @@ class CompressedCache(Cache):
         else:
             keep = layer._targets.expand_as(layer.n_valid)
         if self.policy.head_allocator is not None:
-            keep = self.policy.head_allocator.split(keep.sum(-1), obs, scores, layer.n_valid)
+            keep = self.policy.head_allocator.split(
+                keep.sum(-1), obs, scores, layer.n_valid, keys=keys,
+                min_tokens=self.policy.n_sink + self.policy.n_recent, rows=rows,
+            )
         keep = torch.where(rows[:, None], keep, layer.n_valid)
         layer.compress(keep, scores)
         if self.record_events:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -47,9 +48,10 @@ def config_hash(config) -> str:
 @dataclass
 class _Observer:
     """Scorer-shaped recorder: sees every forward's queries through the cache's on_step
-    hook and accumulates per-head statistics; it is never asked to evict."""
+    hook (the step observation holds all of them) and accumulates per-head statistics; it is
+    never asked to evict, so the cache's query window can be the minimum."""
 
-    window: int
+    window: ClassVar[int] = 1
     stride: int
     topk: int
     start: int = 0  # first sequence index to profile (the trace start)
@@ -59,12 +61,12 @@ class _Observer:
     def score(self, obs, keys, values):  # pragma: no cover - NEVER schedule: no compression
         raise RuntimeError("the profiler never evicts")
 
-    def on_step(self, obs: Observation, keys: torch.Tensor, layer) -> None:
-        index = obs.query_index[0]
-        sel = (index >= layer.new_start) & (index >= self.start) & ((index - self.start) % self.stride == 0)
+    def on_step(self, step: Observation, keys: torch.Tensor, layer) -> None:
+        index = step.query_index[0]  # this forward's queries only (-1 = padding)
+        sel = (index >= 0) & (index >= self.start) & ((index - self.start) % self.stride == 0)
         for i in sel.nonzero().flatten().tolist():
-            one = Observation(obs.queries[:, :, i : i + 1], obs.query_index[:, i : i + 1], obs.token_index,
-                              obs.scaling)
+            one = Observation(step.queries[:, :, i : i + 1], step.query_index[:, i : i + 1], step.token_index,
+                              step.scaling)
             ent, mass = attention_stats(one, keys, self.topk)
             self.entropy.setdefault(layer.layer_idx, []).append(ent[0])
             self.mass.setdefault(layer.layer_idx, []).append(mass[0])
@@ -76,7 +78,7 @@ def profile_trace(model, ids: torch.Tensor, prompt_len: int, *, chunk: int = 64,
     [steps, L, H] at every `stride`-th trace position."""
     shape = model_shape(model)
     install_attention(model)
-    observer = _Observer(window=chunk, stride=stride, topk=topk, start=prompt_len)
+    observer = _Observer(stride=stride, topk=topk, start=prompt_len)
     budgets = torch.ones(shape.n_layers, shape.n_kv_heads, dtype=torch.long)
     modules = attention_modules(model)
     cache = CompressedCache(budgets, LayerPolicy(scorer=observer, schedule=NEVER, n_sink=0, n_recent=0),

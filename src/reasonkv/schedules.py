@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from reasonkv.policies.base import EMPTY
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -70,3 +74,108 @@ class MaxMinThreshold(Schedule):
 
 
 NEVER = Schedule()
+
+
+@dataclass
+class _PeriodicState:
+    """Per-layer bookkeeping of PeriodicRatio (lives in `layer.extras`, never in the schedule,
+    which all layers share)."""
+
+    period: int  # P
+    per_period: int  # T = P / c
+    prompt: torch.Tensor  # [B] real prompt tokens per row (never evicted: protect_prompt)
+    done: torch.Tensor  # [B] compressions so far per row (m)
+    seen: int  # layer.seen at the last check
+    gen_upper: int  # python upper bound of max_b generated tokens held, to skip the check cheaply
+    min_done: int = 0
+    rows: torch.Tensor | None = None  # [B] bool: the rows firing now
+
+
+@dataclass(frozen=True)
+class PeriodicRatio(Schedule):
+    """RPC's schedule: every P generated tokens, keep P/c of them (Song et al., arXiv 2505.13866).
+
+    With R = the protected recent window (`n_recent`) and m = compressions so far, a row
+    compresses when the generated tokens it holds reach m·P/c + R + P, i.e. the first time
+    at P + R generated tokens and then every P tokens, and keeps its prompt +
+    (m+1)·P/c selected generated tokens + R. The cache therefore grows by P/c per period
+    (overall ≈ 1/c of the generated tokens), it is not bounded by the budget.
+
+    budget = P/c, the tokens retained per period; P = budget·ratio unless `interval` is set,
+    in which case P = interval and P/c = interval // ratio (the budget then only needs to be
+    positive). One P per layer (its largest head budget). Counts assume the prompt is kept
+    (protect_prompt, the rpc default); per-row state lives in `layer.extras`, so rows may be
+    at different compression counts, but beam reordering of rows is not supported.
+    """
+
+    name: str = "periodic"
+    interval: int | None = None
+    ratio: float = 4.0
+
+    _KEY = "periodic_ratio"
+
+    def period(self, budget: int) -> tuple[int, int]:
+        """(P, P/c) for a head budget."""
+        if self.interval is None:
+            p, t = int(budget * self.ratio), budget
+        else:
+            p, t = self.interval, int(self.interval // self.ratio)
+        if not 1 <= t <= p:
+            raise ValueError(
+                f"periodic schedule: keeping P/c = {t} tokens of every P = {p} needs ratio >= 1 and P/c >= 1"
+            )
+        return p, t
+
+    def trigger(self, budget: int) -> None:
+        return None  # no fixed size: rows_to_compress decides from the layer
+
+    def target(self, budget: int) -> int:
+        # Only make_cache's check reads this (keep() sizes the cache): the prompt and the recent
+        # window are kept on top of the selected tokens, so no budget is below the protected set.
+        self.period(budget)
+        return 1 << 62
+
+    def describe(self) -> str:
+        p = "budget·ratio" if self.interval is None else str(self.interval)
+        return f"periodic(every P={p} tokens keep P/{self.ratio:g})"
+
+    def _state(self, layer) -> _PeriodicState:
+        st = layer.extras.get(self._KEY)
+        if st is None:
+            p, t = self.period(int(layer.budgets.max()))
+            index = layer.token_index[:, :, : layer.used]
+            prompt = ((index < layer.prompt_end[:, None, None]) & (index != EMPTY)).sum(-1).amax(-1)
+            gen = layer.n_valid.amax(-1) - prompt
+            st = _PeriodicState(p, t, prompt, torch.zeros_like(prompt), layer.seen, int(gen.max()))
+            layer.extras[self._KEY] = st
+        elif st.prompt.shape[0] != layer.n_valid.shape[0]:
+            raise RuntimeError("periodic schedule: the batch changed size mid-generation; start a new cache")
+        return st
+
+    def rows_to_compress(self, layer) -> torch.Tensor | None:
+        st = self._state(layer)
+        st.gen_upper += layer.seen - st.seen
+        st.seen = layer.seen
+        recent = layer.policy.n_recent
+        if st.gen_upper < st.min_done * st.per_period + recent + st.period:
+            return None
+        gen = layer.n_valid.amax(-1) - st.prompt
+        st.rows = gen >= st.done * st.per_period + recent + st.period
+        return st.rows if bool(st.rows.any()) else None
+
+    def keep(self, layer) -> torch.Tensor:
+        st = self._state(layer)
+        recent = layer.policy.n_recent
+        st.done = st.done + st.rows.long()
+        kept_gen = st.done * st.per_period + recent
+        gen = layer.n_valid.amax(-1) - st.prompt
+        st.gen_upper = int(gen.where(~st.rows, kept_gen).max())
+        st.min_done = int(st.done.min())
+        return (st.prompt + kept_gen)[:, None].expand_as(layer.n_valid)
+
+    def slack(self, layer) -> int:
+        """Tokens a head gains before the next compression: P + R before the first one, then P."""
+        st = layer.extras.get(self._KEY)
+        if st is None:
+            return self.period(int(layer.budgets.max()))[0] + layer.policy.n_recent
+        return st.period + (layer.policy.n_recent if st.min_done == 0 else 0)

@@ -168,15 +168,24 @@ class EntropyHeadSplit:
     prefer: Literal["focused", "diffuse"] = "focused"
 
     def split(self, layer_total: torch.Tensor, obs: Observation, scores: torch.Tensor, n_valid: torch.Tensor,
-              keys: torch.Tensor, min_tokens: int = 0) -> torch.Tensor:
+              keys: torch.Tensor | None = None, min_tokens: int = 0,
+              rows: torch.Tensor | None = None) -> torch.Tensor:
+        if keys is None:
+            raise ValueError("EntropyHeadSplit needs the layer's keys to measure attention entropy")
         if self.prefer not in ("focused", "diffuse"):
             raise ValueError(f"prefer must be 'focused' or 'diffuse', got {self.prefer!r}")
         ent = normalised_entropy(obs, keys)
         utility = 1.0 - ent if self.prefer == "focused" else ent
         previous = obs.extras.get("reasonalloc_utility")
         if isinstance(previous, torch.Tensor) and previous.shape == utility.shape:
-            utility = self.ema * previous + (1.0 - self.ema) * utility
-        obs.extras["reasonalloc_utility"] = utility
+            seen = previous >= 0  # -1: this row has not compressed yet
+            utility = torch.where(seen, self.ema * previous + (1.0 - self.ema) * utility, utility)
+        else:
+            previous = torch.full_like(utility, -1.0)
+        # Only rows that compress now move their average: a row's budgets must not depend on
+        # when other rows of the batch compress.
+        compressing = rows[:, None] if rows is not None else torch.ones_like(utility, dtype=torch.bool)
+        obs.extras["reasonalloc_utility"] = torch.where(compressing, utility, previous)
         h = utility.shape[1]
         even = layer_total.double() / h
         floor = torch.maximum((self.floor_ratio * even).floor().long(), torch.tensor(min_tokens))

@@ -22,7 +22,8 @@ class Observation:
     """Everything a scorer may read about one layer at compression time."""
 
     queries: torch.Tensor
-    """[B, H*G, W, D] the last W queries, post-RoPE, oldest first."""
+    """[B, H*G, W, D] the last W queries, post-RoPE, oldest first (in `on_step`'s step
+    observation: all W = q queries of the current forward)."""
     query_index: torch.Tensor
     """[B, W] sequence index of each observed query; -1 where there is none (padding, short prompt)."""
     token_index: torch.Tensor
@@ -55,10 +56,24 @@ class Observation:
 
 @runtime_checkable
 class Scorer(Protocol):
-    """A token-importance policy: higher score = keep. It never decides how many tokens to keep."""
+    """A token-importance policy: higher score = keep. It never decides how many tokens to keep.
+
+    Optional members the cache uses when present (not part of the protocol check):
+
+    - `state_names: tuple[str, ...]`: per-token state tensors the cache allocates ([B, H, capacity],
+      zero for new tokens) in `layer.state` and gathers along with the keys at every eviction.
+    - `on_step(step: Observation, keys [B, H, T, D], layer) -> None`: called once per forward of each
+      layer, after attention and before the query window is updated or anything is evicted.
+      `step` holds THIS forward's queries only, all of them whatever `window` is (queries
+      [B, H*G, q, D], query_index [B, q] with -1 for padding, query_positions [B, q]), plus the
+      layer's token_index/state/extras/RoPE data as in `score`. `layer.queries/query_index/
+      query_positions` still hold the previous window (None at the first forward); the hook may
+      update `layer.state[name]` (slots [:, :, :layer.used]) and `layer.extras`, but never the window.
+      A scorer that must see every query (H2O, BeaconKV) uses this, not a huge `window`.
+    """
 
     window: int
-    """How many recent queries the cache must keep for this scorer (0 = none)."""
+    """How many recent queries the cache keeps for `score` (at least 1 is kept)."""
 
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Return [B, H, T] scores for the keys [B, H, T, D]."""

@@ -1,0 +1,189 @@
+"""BeaconKV (Kim et al., ICML 2026, arXiv 2609.04971): score keys with beacon queries.
+
+Long chains of thought revisit old context at sparse, unpredictable steps, and the queries
+that do so cluster in pre-RoPE space. So besides the `recent` newest queries, each KV head
+keeps a small buffer of diverse old queries ("beacons"), maintained by continual
+farthest-point sampling (FPS) with cosine distance: a query enters the buffer when it
+leaves the recent window; when the buffer reaches `beacon_max` it shrinks to `beacon_min`
+by greedy FPS seeded with the newest point. At scoring time beacons are rotated to the
+current position (as if issued now), recent queries keep their own positions, and
+
+    s_j = max over q in beacons ∪ recent, over the group's query heads, of softmax_j(q·k_j/√d)
+
+(softmax over the head's real keys, causal for recent queries; `aggregation="mean"`
+averages instead). Sinks and recent tokens are protected by the cache; the schedule is the
+max/min threshold (at B_max evict B_max/8).
+
+Decisions where the paper is silent (see DESIGN.md): one buffer per KV head with the
+group's G query heads pooled (each head's vector is a point); points identical in
+direction (cosine distance 0) to a held beacon are not added again; FPS ties go to the
+older point; no token pooling by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from reasonkv.policies.base import Observation, candidate_mask, grouped_logits, masked_softmax, pool_tokens
+from reasonkv.policies.rope import apply_rope, unapply_rope
+
+DUPLICATE_EPS = 1e-5
+"""Cosine distance at or below which a point counts as identical (fp32 rounding of 0)."""
+
+
+def _units(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+
+
+def farthest_point_sample(points: torch.Tensor, m: int, seed: torch.Tensor | int) -> torch.Tensor:
+    """Greedy FPS with cosine distance: points [..., N, D] -> [..., m] chosen indices, ascending.
+
+    Starts from `seed` (an index, or [...] indices), then repeatedly adds the point whose
+    distance to its nearest chosen point is largest (ties: the lowest index).
+    """
+    n = points.shape[-2]
+    u = _units(points.float())
+    dist = 1.0 - u @ u.transpose(-1, -2)  # [..., N, N]
+    seed = torch.as_tensor(seed, device=points.device).expand(points.shape[:-2])[..., None]  # [..., 1]
+    chosen = torch.zeros(points.shape[:-1], dtype=torch.bool, device=points.device).scatter(-1, seed, True)
+
+    def row(i: torch.Tensor) -> torch.Tensor:  # dist[..., i, :]
+        return dist.gather(-2, i[..., None].expand(*i.shape[:-1], 1, n)).squeeze(-2)
+
+    nearest = row(seed)
+    for _ in range(min(m, n) - 1):
+        nxt = nearest.masked_fill(chosen, float("-inf")).argmax(-1, keepdim=True)
+        chosen.scatter_(-1, nxt, True)
+        nearest = torch.minimum(nearest, row(nxt))
+    slots = torch.arange(n, device=points.device).expand_as(chosen)
+    return torch.where(chosen, slots, n).sort(dim=-1).values[..., : min(m, n)]
+
+
+def add_points(
+    beacons: torch.Tensor, count: torch.Tensor, points: torch.Tensor, valid: torch.Tensor, beacon_min: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Continual FPS: feed points [B, H, P, D] (oldest first; `valid` [B, H, P]) into the
+    buffers beacons [B, H, M, D] holding `count` [B, H] points in arrival order.
+
+    Equivalent to adding the points one at a time: a point identical in direction to a held
+    (or earlier, same-call) point is skipped; when a buffer reaches M it shrinks to
+    `beacon_min` by FPS seeded with its newest point. Points go in chunks small enough that
+    no buffer can fill before a chunk's last point, so the chunked result is the sequential one.
+    """
+    b, h, m_max, d = beacons.shape
+    start, total = 0, points.shape[2]
+    slots = torch.arange(m_max, device=beacons.device)
+    while start < total:
+        k = min(total - start, m_max - int(count.max()))
+        chunk, ok = points[:, :, start : start + k].float(), valid[:, :, start : start + k]
+        u, held = _units(chunk), _units(beacons)
+        in_use = (slots < count[..., None])[:, :, None, :]  # [B, H, 1, M]
+        dup_held = (((1.0 - u @ held.transpose(-1, -2)) <= DUPLICATE_EPS) & in_use).any(-1)
+        earlier = torch.ones(k, k, dtype=torch.bool, device=beacons.device).tril(-1)
+        dup_prev = (((1.0 - u @ u.transpose(-1, -2)) <= DUPLICATE_EPS) & earlier & ok[:, :, None, :]).any(-1)
+        add = ok & ~dup_held & ~dup_prev
+        slot = torch.where(add, count[..., None] + add.cumsum(-1) - 1, m_max)  # skipped -> a scratch slot
+        grown = torch.cat([beacons, beacons.new_zeros(b, h, 1, d)], dim=2)
+        grown.scatter_(2, slot[..., None].expand(-1, -1, -1, d), chunk)
+        beacons, count = grown[:, :, :m_max], count + add.sum(-1)
+        full = count == m_max
+        if bool(full.any()):
+            keep = farthest_point_sample(beacons, beacon_min, m_max - 1)  # seeded with the newest
+            shrunk = beacons.new_zeros(b, h, m_max, d)
+            shrunk[:, :, :beacon_min] = beacons.gather(2, keep[..., None].expand(-1, -1, -1, d))
+            beacons = torch.where(full[..., None, None], shrunk, beacons)
+            count = torch.where(full, beacon_min, count)
+        start += k
+    return beacons.contiguous(), count
+
+
+@dataclass
+class BeaconKVScorer:
+    beacon_max: int = 32
+    beacon_min: int = 16
+    recent: int = 16
+    aggregation: Literal["max", "mean"] = "max"
+    pooling: Literal["max", "avg", "none"] = "none"
+    kernel: int = 7
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.beacon_min < self.beacon_max:
+            raise ValueError(
+                f"need 1 <= beacon_min < beacon_max, got {self.beacon_min} and {self.beacon_max}"
+            )
+        if self.recent < 1:
+            raise ValueError(f"recent must be at least 1, got {self.recent}")
+        if self.aggregation not in ("max", "mean"):
+            raise ValueError(f"aggregation must be 'max' or 'mean', got {self.aggregation!r}")
+
+    @property
+    def window(self) -> int:
+        """The cache keeps the `recent` newest queries (a property, so it is not a separate knob)."""
+        return self.recent
+
+    # ------------------------------------------------------------- buffer upkeep
+    def on_step(self, step: Observation, keys: torch.Tensor, layer) -> None:
+        """Move the queries that leave the recent window with this forward into the beacon buffers.
+
+        When this runs, `layer.queries` etc. still hold the previous window (at most `recent`
+        queries) and `step` holds this forward's; of the two in order, all but the newest
+        `recent` leave, rotated back to pre-RoPE (padding queries never enter). The cache then
+        keeps the newest `recent` as its window. State in `layer.extras`: beacons [B, H, M, D]
+        (pre-RoPE, fp32, arrival order) and beacon_count [B, H].
+        """
+        previous = 0 if layer.queries is None else layer.queries.shape[2]
+        n_out = previous + step.queries.shape[2] - self.recent
+        ex = layer.extras
+        b, hq, _, d = step.queries.shape
+        h = keys.shape[1]
+        g = hq // h
+        if "beacons" not in ex:
+            ex["beacons"] = torch.zeros(b, h, self.beacon_max, d, device=keys.device)
+            ex["beacon_count"] = torch.zeros(b, h, dtype=torch.long, device=keys.device)
+        elif ex["beacons"].shape[0] != b:
+            raise RuntimeError("BeaconKV: the batch changed size mid-generation; start a new cache")
+        if n_out <= 0:
+            return
+        if step.rope_inv_freq is None:
+            raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
+
+        def oldest(old: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
+            """The first n_out of (previous window, this step) along `dim`, without touching the window."""
+            both = new if old is None else torch.cat([old, new], dim)
+            return both.narrow(dim, 0, n_out)
+
+        leaving = oldest(layer.queries, step.queries, 2)
+        index = oldest(layer.query_index, step.query_index, 1)
+        positions = oldest(layer.query_positions, step.query_positions, 1)
+        pre = unapply_rope(leaving, positions[:, None], step.rope_inv_freq, step.rope_attention_scaling)
+        # Each leaving query gives G points per KV head, in order (query, then group head).
+        points = pre.reshape(b, h, g, n_out, d).transpose(2, 3).reshape(b, h, n_out * g, d)
+        valid = (index >= 0)[:, None, :, None].expand(b, h, n_out, g).reshape(b, h, -1)
+        ex["beacons"], ex["beacon_count"] = add_points(ex["beacons"], ex["beacon_count"], points, valid,
+                                                       self.beacon_min)
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        logits = grouped_logits(obs.queries, keys, obs.scaling)
+        probs = masked_softmax(logits, candidate_mask(obs))  # recent queries: [B, H, G, W, T]
+        b, h, g, w, t = probs.shape
+        parts = [probs.reshape(b, h, g * w, t)]
+        n_points = (obs.query_valid.sum(-1) * g)[:, None].expand(b, h)
+        beacons, count = obs.extras.get("beacons"), obs.extras.get("beacon_count")
+        if beacons is not None and bool(count.any()):
+            positions = obs.query_positions if obs.query_positions is not None else obs.query_index
+            now = torch.where(obs.query_valid, positions, -1).amax(-1).clamp(min=0)  # newest query's position
+            rotated = apply_rope(beacons, now[:, None, None], obs.rope_inv_freq, obs.rope_attention_scaling)
+            logits = torch.einsum("bhmd,bhtd->bhmt", rotated, keys.float()) * obs.scaling
+            held = torch.arange(beacons.shape[2], device=keys.device) < count[..., None]  # [B, H, M]
+            parts.append(masked_softmax(logits, held[..., None] & obs.key_valid[:, :, None, :]))
+            n_points = n_points + count
+        probs = torch.cat(parts, dim=2)  # every observation point: [B, H, P, T], zeros for absent ones
+        if self.aggregation == "max":
+            scores = probs.amax(dim=2) if probs.shape[2] else probs.new_zeros(b, h, t)
+        else:
+            scores = probs.sum(dim=2) / n_points.clamp(min=1)[..., None].to(probs.dtype)
+        return pool_tokens(scores, self.kernel, self.pooling)

@@ -1,0 +1,56 @@
+"""R-KV (Cai et al., 2025, arXiv 2505.24133): importance minus redundancy.
+
+Z_j = λ·Â_j − (1−λ)·R_j. Â = max-pooled mean over the last `window` queries of
+softmax_{j in C}(max_g q_g·k_j/√d), C = the cache minus the newest `window` tokens;
+R_j = softmax_j(mean_i S_ij), S = cosine similarity of the keys (per KV head, diagonal 0),
+where each row i forgets its most recent near-duplicate (S_ij > threshold), so the newest
+copy of a repeated token is spared and the older copies carry the penalty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from reasonkv.policies.base import Observation, masked_softmax, pool_tokens, reduce_queries, window_attention
+
+
+@dataclass
+class RKVScorer:
+    """R-KV's joint score. Only real keys take part in the redundancy term: EMPTY slots
+    (padding, ragged heads) are left out of the similarity rows and columns, of the mean's
+    denominator and of the softmax, so a padded batch row scores exactly as it would alone.
+
+    Deviation from the reference code: a row with no token above the threshold zeroes
+    nothing (the reference's argmax falls back to index 0 and zeroes S_i0 by accident).
+    """
+
+    window: int = 8
+    kernel: int = 7
+    pooling: Literal["max", "avg", "none"] = "max"
+    mix_lambda: float = 0.1
+    sim_threshold: float = 0.5
+
+    def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        probs = window_attention(obs, keys, exclude_last=self.window, gqa="max_logit")
+        importance = pool_tokens(reduce_queries(probs, obs, "mean"), self.kernel, self.pooling)
+        return self.mix_lambda * importance - (1 - self.mix_lambda) * self.redundancy(obs, keys)
+
+    def redundancy(self, obs: Observation, keys: torch.Tensor) -> torch.Tensor:
+        """[B, H, T] R_j: a distribution over each head's real keys (0 on EMPTY slots)."""
+        valid = obs.key_valid
+        k = keys.float()
+        k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+        sim = k @ k.transpose(-1, -2)  # [B, H, T, T]
+        t = sim.shape[-1]
+        slots = torch.arange(t, device=sim.device)
+        pair = valid[..., :, None] & valid[..., None, :] & (slots[:, None] != slots[None, :])
+        sim = sim.masked_fill(~pair, 0.0)
+        # Slots are in positional order, so the largest similar slot is the most recent one.
+        similar = pair & (sim > self.sim_threshold)
+        last = torch.where(similar, slots, -1).amax(dim=-1)  # [B, H, T]; -1 = no similar token
+        sim = sim.masked_fill(slots == last[..., None], 0.0)
+        n_real = valid.sum(-1, keepdim=True).clamp(min=1).to(sim.dtype)
+        return masked_softmax(sim.sum(dim=-2) / n_real, valid)

@@ -1,0 +1,428 @@
+"""BeaconKV: RoPE round trips against transformers, continual FPS against a loop reference,
+the beacon buffer upkeep, the scorer against a loop reference, and the method end to end."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from conftest import dynamic_cache, greedy_loop, left_pad, random_prompt, tiny_model
+from reasonkv import make_cache
+from reasonkv.cache import CompressedLayer
+from reasonkv.policies import EMPTY, BeaconKVScorer, Observation, protected_mask, select_tokens
+from reasonkv.policies.beacon import DUPLICATE_EPS, add_points, farthest_point_sample
+from reasonkv.policies.rope import apply_rope, rerotate, unapply_rope
+
+D = 16
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    # YaRN also scales cos/sin (attention_scaling != 1): the round trip must undo it.
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0,
+             "original_max_position_embeddings": 64},
+}
+
+
+def rope_config(rope: str) -> LlamaConfig:
+    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=D, max_position_embeddings=1024,
+                       rope_parameters=dict(ROPES[rope]), pad_token_id=0)
+
+
+# --------------------------------------------------------------------------- rotation
+@pytest.mark.parametrize("rope", ROPES)
+def test_rerotated_query_equals_rope_of_its_pre_rope_form(rope: str) -> None:
+    rotary = LlamaRotaryEmbedding(rope_config(rope))
+    if rope == "yarn":
+        assert rotary.attention_scaling != 1.0
+    g = torch.Generator().manual_seed(0)
+    pre = torch.randn(2, 4, 3, D, generator=g)  # [B, Hq, W, D]
+    stored_at = torch.tensor([[3, 40, 517], [0, 9, 1000]])
+    target = torch.tensor([[700], [1023]])  # one "now" per row
+
+    def hf_rope(x, positions):
+        cos, sin = rotary(x, positions)
+        return apply_rotary_pos_emb(x, x, cos, sin)[0]
+
+    post = hf_rope(pre, stored_at)
+    inv, scale = rotary.inv_freq, rotary.attention_scaling
+    torch.testing.assert_close(unapply_rope(post, stored_at[:, None], inv, scale), pre, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(apply_rope(pre, stored_at[:, None], inv, scale), post, atol=1e-5, rtol=1e-5)
+    moved = rerotate(post, stored_at[:, None], target[:, None], inv, scale)
+    expected = hf_rope(pre, target.expand(2, 3))
+    torch.testing.assert_close(moved, expected, atol=1e-4, rtol=1e-4)
+
+
+# -------------------------------------------------------------------------------- FPS
+def cos_dist(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    na = math.sqrt(sum(x * x for x in a)) or 1e-12
+    nb = math.sqrt(sum(x * x for x in b)) or 1e-12
+    return 1.0 - dot / (na * nb)
+
+
+def greedy_fps_reference(points: list[list[float]], m: int, seed: int) -> list[int]:
+    """Farthest-point sampling, written out: start at `seed`, then take the point farthest
+    from its nearest chosen one (first index on ties); the chosen indices in ascending order."""
+    chosen = [seed]
+    while len(chosen) < min(m, len(points)):
+        best, best_d = None, -1.0
+        for i, p in enumerate(points):
+            if i in chosen:
+                continue
+            d = min(cos_dist(p, points[c]) for c in chosen)
+            if d > best_d:
+                best, best_d = i, d
+        chosen.append(best)
+    return sorted(chosen)
+
+
+class ReferenceBuffer:
+    """One head's continual FPS, one point at a time: skip a point identical in direction to
+    a held one, append, and when `max_size` is reached keep the FPS set seeded with the newest."""
+
+    def __init__(self, max_size: int, min_size: int):
+        self.max_size, self.min_size, self.points = max_size, min_size, []
+
+    def add(self, p: list[float]) -> None:
+        if any(cos_dist(p, q) <= DUPLICATE_EPS for q in self.points):
+            return
+        self.points.append(p)
+        if len(self.points) == self.max_size:
+            keep = greedy_fps_reference(self.points, self.min_size, len(self.points) - 1)
+            self.points = [self.points[i] for i in keep]
+
+
+def assert_buffers_match(
+    beacons: torch.Tensor, count: torch.Tensor, refs: list[list[ReferenceBuffer]]
+) -> None:
+    for b, row in enumerate(refs):
+        for h, ref in enumerate(row):
+            n = int(count[b, h])
+            assert n == len(ref.points)
+            if n:
+                torch.testing.assert_close(beacons[b, h, :n], torch.tensor(ref.points), atol=1e-6, rtol=0)
+
+
+def test_fps_selects_the_greedy_farthest_point_set() -> None:
+    g = torch.Generator().manual_seed(1)
+    points = torch.randn(3, 2, 32, D, generator=g)
+    points[0, 0, 5] = -points[0, 0, 31]  # the antipode of the seed is the first pick
+    got = farthest_point_sample(points, 16, 31)
+    assert got[0, 0].tolist().count(5) == 1
+    for b in range(3):
+        for h in range(2):
+            assert got[b, h].tolist() == greedy_fps_reference(points[b, h].tolist(), 16, 31)
+    seeds = torch.tensor([[0, 7], [31, 12], [3, 3]])
+    got = farthest_point_sample(points, 5, seeds)
+    for b in range(3):
+        for h in range(2):
+            assert got[b, h].tolist() == greedy_fps_reference(points[b, h].tolist(), 5, int(seeds[b, h]))
+
+
+@pytest.mark.parametrize("chunks", [[1] * 90, [90], [7, 1, 40, 3, 39]])
+def test_continual_fps_equals_adding_points_one_by_one(chunks: list[int]) -> None:
+    """Whatever the arrival chunks (a prefill is one big chunk), the buffers equal the
+    one-at-a-time reference, and never hold more than beacon_max points."""
+    b, h, m_max, m_min = 2, 2, 12, 5
+    g = torch.Generator().manual_seed(2)
+    points = torch.randn(b, h, sum(chunks), 4, generator=g)
+    points[0, 1, 30] = points[0, 1, 29] * 3.0  # same direction: must be skipped
+    points[1, 0, 50:60] = points[1, 0, 10]  # a long run of duplicates of an old point
+    valid = torch.rand(b, h, sum(chunks), generator=g) > 0.2
+    refs = [[ReferenceBuffer(m_max, m_min) for _ in range(h)] for _ in range(b)]
+    beacons, count = torch.zeros(b, h, m_max, 4), torch.zeros(b, h, dtype=torch.long)
+    start = 0
+    for size in chunks:
+        sl = slice(start, start + size)
+        beacons, count = add_points(beacons, count, points[:, :, sl], valid[:, :, sl], m_min)
+        for bi in range(b):
+            for hi in range(h):
+                for j in range(start, start + size):
+                    if valid[bi, hi, j]:
+                        refs[bi][hi].add(points[bi, hi, j].tolist())
+        assert int(count.max()) < m_max
+        assert_buffers_match(beacons, count, refs)
+        start += size
+    assert int(count.min()) >= m_min  # 90 points went through: every buffer shrank at least once
+
+
+def test_a_point_identical_to_a_beacon_is_never_added_twice() -> None:
+    beacons, count = torch.zeros(1, 1, 8, D), torch.zeros(1, 1, dtype=torch.long)
+    p = torch.randn(D, generator=torch.Generator().manual_seed(3))
+    for chunk in ([p], [p, 2 * p, p], [p] * 20):  # alone, repeated in one chunk, a long run
+        ones = torch.ones(1, 1, len(chunk), dtype=torch.bool)
+        beacons, count = add_points(beacons, count, torch.stack(chunk)[None, None], ones, 4)
+        assert int(count) == 1
+    q = torch.randn(D, generator=torch.Generator().manual_seed(4))
+    ones = torch.ones(1, 1, 3, dtype=torch.bool)
+    beacons, count = add_points(beacons, count, torch.stack([q, p, q])[None, None], ones, 4)
+    assert int(count) == 2
+    torch.testing.assert_close(beacons[0, 0, :2], torch.stack([p, q]))
+
+
+# ----------------------------------------------------------------------- buffer upkeep
+def test_queries_enter_the_buffer_when_they_leave_the_recent_window() -> None:
+    """Steps of several sizes (a left-padded prefill, single decode steps, a chunk) driven as the
+    cache drives them: on_step sees the step's queries with the previous window untouched, then
+    the cache's own window update keeps the newest `recent` queries; the older ones (rotated back
+    to pre-RoPE, padding excluded, G points per KV head) go through continual FPS exactly as the
+    one-at-a-time reference says."""
+    rotary = LlamaRotaryEmbedding(rope_config("yarn"))
+    scorer = BeaconKVScorer(beacon_max=10, beacon_min=4, recent=5)
+    b, h, grp = 2, 2, 2
+    gen = torch.Generator().manual_seed(5)
+    layer = SimpleNamespace(queries=None, query_index=None, query_positions=None, extras={})
+    refs = [[ReferenceBuffer(10, 4) for _ in range(h)] for _ in range(b)]
+    history: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pre-RoPE [B, Hq, D], index [B]) per query
+    pads = [0, 3]
+    seen = 0
+    for q in (12, 1, 1, 1, 7, 1, 1, 20, 1, 1, 1):
+        pre = torch.randn(b, h * grp, q, D, generator=gen)
+        index = torch.arange(seen, seen + q).expand(b, q).clone()
+        positions = index.clone()
+        for r, p in enumerate(pads):  # left padding: the first p tokens of row r are not real
+            positions[r] -= p
+            index[r, :max(0, p - seen)] = -1
+        cos, sin = rotary(pre, positions)
+        post = apply_rotary_pos_emb(pre, pre, cos, sin)[0]
+        step = Observation(post, index, torch.zeros(b, h, 1, dtype=torch.long), D**-0.5,
+                           query_positions=positions, rope_inv_freq=rotary.inv_freq,
+                           rope_attention_scaling=rotary.attention_scaling)
+        window_before = (layer.queries, layer.query_index, layer.query_positions)
+        scorer.on_step(step, torch.zeros(b, h, 1, D), layer)
+        window_after = (layer.queries, layer.query_index, layer.query_positions)
+        assert all(a is b_ for a, b_ in zip(window_after, window_before, strict=True))  # read, never trimmed
+        CompressedLayer.observe(layer, post, index, positions, scorer.window)  # the cache's update
+        history += [(pre[:, :, i], index[:, i]) for i in range(q)]
+        seen += q
+        leaving = history[: len(history) - 5]
+        history = history[len(history) - 5:]
+        for vec, idx in leaving:
+            for r in range(b):
+                if idx[r] < 0:
+                    continue
+                for kv in range(h):
+                    for g_ in range(grp):
+                        refs[r][kv].add(vec[r, kv * grp + g_].tolist())
+        assert layer.queries.shape[2] == min(seen, 5)
+        assert torch.equal(layer.query_index, torch.stack([i for _, i in history], 1))
+        count = layer.extras["beacon_count"]
+        for r in range(b):
+            for kv in range(h):
+                assert int(count[r, kv]) == len(refs[r][kv].points)
+                if refs[r][kv].points:
+                    torch.testing.assert_close(layer.extras["beacons"][r, kv, : int(count[r, kv])],
+                                               torch.tensor(refs[r][kv].points), atol=1e-4, rtol=1e-4)
+    assert int(layer.extras["beacon_count"].max()) < 10
+
+
+# ----------------------------------------------------------------------------- scorer
+def rope_by_hand(v: list[float], pos: int, inv_freq: list[float], scale: float) -> list[float]:
+    half = len(v) // 2
+    out = [0.0] * len(v)
+    for i in range(half):
+        a = pos * inv_freq[i]
+        out[i] = scale * (v[i] * math.cos(a) - v[i + half] * math.sin(a))
+        out[i + half] = scale * (v[i + half] * math.cos(a) + v[i] * math.sin(a))
+    return out
+
+
+def reference_scores(obs: Observation, keys: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Loops: for every (row, KV head, key), over every observation point (each valid recent
+    query of each group head; each held beacon rotated to the newest query's position), the
+    softmax over the real keys it may see; then max (or mean over the points)."""
+    b, hq, w, _ = obs.queries.shape
+    h, t = keys.shape[1], keys.shape[2]
+    grp = hq // h
+    inv = obs.rope_inv_freq.tolist()
+    out = torch.zeros(b, h, t)
+    for r in range(b):
+        now = max(int(obs.query_positions[r, i]) for i in range(w) if obs.query_index[r, i] >= 0)
+        for kv in range(h):
+            rows = []  # one attention distribution per observation point
+            for i in range(w):
+                if obs.query_index[r, i] < 0:
+                    continue
+                for g_ in range(grp):
+                    q = obs.queries[r, kv * grp + g_, i].tolist()
+                    allowed = [j for j in range(t) if obs.token_index[r, kv, j] != EMPTY
+                               and obs.token_index[r, kv, j] <= obs.query_index[r, i]]
+                    rows.append((q, allowed))
+            for m in range(int(obs.extras["beacon_count"][r, kv])):
+                beacon = obs.extras["beacons"][r, kv, m].tolist()
+                q = rope_by_hand(beacon, now, inv, obs.rope_attention_scaling)
+                rows.append((q, [j for j in range(t) if obs.token_index[r, kv, j] != EMPTY]))
+            for q, allowed in rows:
+                logits = {j: sum(x * y for x, y in zip(q, keys[r, kv, j].tolist(), strict=True)) * obs.scaling
+                          for j in allowed}
+                top = max(logits.values())
+                z = sum(math.exp(v - top) for v in logits.values())
+                for j, v in logits.items():
+                    p = math.exp(v - top) / z
+                    if aggregation == "max":
+                        out[r, kv, j] = max(out[r, kv, j], p)
+                    else:
+                        out[r, kv, j] += p / len(rows)
+    return out
+
+
+def hand_made_case(seed: int = 6) -> tuple[Observation, torch.Tensor]:
+    """B=2, H=2, G=2, W=4, T=14, M=6. Row 1: a padding slot in front, a ragged EMPTY tail on
+    head 1, its oldest recent query is padding, positions shifted (left padding); the
+    heads hold different numbers of beacons (one holds none)."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, grp, w, t, m = 2, 2, 2, 4, 14, 6
+    index = torch.arange(t).expand(b, h, t).clone()
+    index[1, :, 0] = EMPTY
+    index[1, 1, 11:] = EMPTY
+    q_index = torch.arange(t - w, t).expand(b, w).clone()
+    q_index[1, 0] = -1
+    positions = q_index.clone()
+    positions[1] -= 1
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    obs = Observation(
+        queries=torch.randn(b, h * grp, w, D, generator=g) * 2,
+        query_index=q_index,
+        token_index=index,
+        scaling=D**-0.5,
+        query_positions=positions,
+        extras={"beacons": torch.randn(b, h, m, D, generator=g) * 2,
+                "beacon_count": torch.tensor([[6, 0], [2, 5]])},
+        rope_inv_freq=inv,
+        rope_attention_scaling=1.2,
+    )
+    return obs, torch.randn(b, h, t, D, generator=g)
+
+
+@pytest.mark.parametrize("aggregation", ["max", "mean"])
+def test_beacon_scores_and_kept_tokens_match_the_loop_reference(aggregation: str) -> None:
+    obs, keys = hand_made_case()
+    scorer = BeaconKVScorer(aggregation=aggregation, recent=4)
+    got = scorer.score(obs, keys, keys)
+    ref = reference_scores(obs, keys, aggregation)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    protected = protected_mask(obs.token_index, 1, 2)
+    keep = torch.tensor([[7, 7], [7, 6]])
+    slots, _ = select_tokens(got, obs.token_index, keep, protected)
+    for r in range(2):
+        for kv in range(2):
+            real = [j for j in range(14) if obs.token_index[r, kv, j] != EMPTY]
+            forced = [j for j in real if protected[r, kv, j]]
+            rest = sorted((j for j in real if j not in forced), key=lambda j: (-float(ref[r, kv, j]), -j))
+            expected = sorted(forced + rest[: int(keep[r, kv]) - len(forced)])
+            assert [s for s in slots[r, kv].tolist() if s < 14] == expected
+
+
+def test_beacons_change_the_choice_and_pooling_is_optional() -> None:
+    obs, keys = hand_made_case()
+    with_beacons = BeaconKVScorer(recent=4).score(obs, keys, keys)
+    obs.extras["beacon_count"] = torch.zeros(2, 2, dtype=torch.long)
+    recent_only = BeaconKVScorer(recent=4).score(obs, keys, keys)
+    assert (with_beacons >= recent_only - 1e-7).all()  # max over a superset of points
+    assert not torch.allclose(with_beacons[0, 0], recent_only[0, 0])
+    pooled = BeaconKVScorer(recent=4, pooling="max", kernel=3).score(obs, keys, keys)
+    window_max = torch.stack([recent_only[..., :-2], recent_only[..., 1:-1], recent_only[..., 2:]]).amax(0)
+    assert torch.equal(pooled[..., 1:-1], window_max)
+
+
+# ------------------------------------------------------------------------ end to end
+def test_knobs_reach_the_scorer_and_schedule() -> None:
+    model = tiny_model("llama", "sdpa", 2)
+    cache = make_cache(model, "beaconkv", 64, beacon_max=12, beacon_min=3, recent=8, aggregation="mean",
+                       pooling="avg", kernel=5, fraction=0.25)
+    scorer = cache.policy.scorer
+    assert (scorer.beacon_max, scorer.beacon_min, scorer.recent, scorer.aggregation) == (12, 3, 8, "mean")
+    assert (scorer.pooling, scorer.kernel) == ("avg", 5)
+    assert cache.policy.schedule.target(64) == 48
+    assert (cache.policy.n_sink, cache.policy.n_recent) == (4, 16)
+    with pytest.raises(ValueError, match="beacon_max"):
+        make_cache(model, "beaconkv", 64, beacon_typo=3)
+    with pytest.raises(ValueError, match="beacon_min < beacon_max"):
+        make_cache(model, "beaconkv", 64, beacon_min=32, beacon_max=32)
+
+
+def test_beaconkv_without_eviction_equals_dynamic_cache() -> None:
+    model = tiny_model("llama", "sdpa", 2)
+    prompt = random_prompt(30, seed=7)
+    cache = make_cache(model, "beaconkv", 512)
+    tokens, logits = greedy_loop(model, prompt, cache, 40)
+    ref_tokens, ref_logits = greedy_loop(model, prompt, dynamic_cache(), 40)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
+    assert torch.equal(tokens, ref_tokens)
+    assert cache.events == []
+    assert int(cache.layers[0].extras["beacon_count"].min()) > 0  # the buffers were kept all along
+
+
+def test_repeated_token_gives_one_beacon_per_query_head() -> None:
+    """Layer 0's pre-RoPE query depends on the token only, so a prompt of one repeated token
+    has G distinct pre-RoPE queries per KV head; recovered from post-RoPE queries at 60
+    different positions (rope-scaled model), they must all be recognised as the same."""
+    from transformers import LlamaForCausalLM
+
+    cfg = rope_config("yarn")
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    cache = make_cache(model, "beaconkv", 512)
+    with torch.no_grad():
+        model(input_ids=torch.full((1, 60), 5), cache=cache)
+        for _ in range(5):
+            model(input_ids=torch.full((1, 1), 5), cache=cache)
+    # Identical tokens give identical values, so every layer sees one hidden state per token.
+    for layer in cache.layers:
+        assert layer.extras["beacon_count"].tolist() == [[2, 2]]
+        # ... while the post-RoPE queries of those positions are all different directions.
+        post = layer.queries[0, 0]  # [recent, D]
+        unit = post / post.norm(dim=-1, keepdim=True)
+        dist = 1 - unit @ unit.T
+        assert bool((dist + torch.eye(len(post)) > 1e-3).all())
+
+
+def test_beaconkv_memory_stays_bounded_over_300_steps() -> None:
+    model = tiny_model("llama", "sdpa", 2)
+    budget = 32
+    cache = make_cache(model, "beaconkv", budget)
+    ids = random_prompt(20, seed=8)
+    caps, physical = [], []
+    with torch.no_grad():
+        for _ in range(300):
+            ids = model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
+            assert int(cache.memory()["live_tokens"].max()) <= budget - 1  # compressed on reaching B_max
+            caps.append(max(layer.keys.shape[2] for layer in cache.layers))
+            physical.append(cache.memory()["physical_bytes"])
+            for layer in cache.layers:
+                assert layer.queries.shape[2] <= 16
+                assert int(layer.extras["beacon_count"].max()) < 32
+    assert max(caps) <= budget
+    assert max(physical[150:]) <= max(physical[:150])
+    assert len(cache.events) >= 2 * (300 - 20) // 4 - 4  # each layer evicts 4 of 32 every 4 steps
+
+
+def test_beaconkv_padded_batch_equals_rows_alone() -> None:
+    model = tiny_model("llama", "sdpa", 2)
+    prompts = [random_prompt(n, seed=20 + n)[0] for n in (40, 22, 31)]
+    ids, mask = left_pad(prompts)
+    kw = dict(max_new_tokens=40, do_sample=False)
+    cache = make_cache(model, "beaconkv", 32)
+    batch = model.generate(ids, attention_mask=mask, cache=cache, **kw)[:, ids.shape[1]:]
+    assert len(cache.events) > 10
+    for r, p in enumerate(prompts):
+        pad = ids.shape[1] - p.numel()
+        alone_cache = make_cache(model, "beaconkv", 32)
+        alone = model.generate(p[None], cache=alone_cache, **kw)[:, p.numel():]
+        assert torch.equal(alone[0], batch[r])
+        for lb, la in zip(cache.layers, alone_cache.layers, strict=True):
+            for h in range(lb.token_index.shape[1]):
+                kept_b = [int(i) - pad for i in lb.token_index[r, h] if i != EMPTY]
+                kept_a = [int(i) for i in la.token_index[0, h] if i != EMPTY]
+                assert kept_b == kept_a
+            assert torch.equal(lb.extras["beacon_count"][r], la.extras["beacon_count"][0])
+            torch.testing.assert_close(lb.extras["beacons"][r], la.extras["beacons"][0], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,280 @@
+"""H2O: cumulative attention against a loop reference, scores following tokens through every
+eviction (checked against the model's own attention weights), and the method end to end."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from reasonkv import make_cache
+from reasonkv.models import attention_modules
+from reasonkv.policies import EMPTY, H2OScorer, Observation, protected_mask, select_tokens
+from reasonkv.policies import h2o as h2o_module
+from reasonkv.schedules import EveryStep
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: one thread is much faster than several fighting for busy cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------- helpers
+def tiny_model(attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    cfg._attn_implementation = attn
+    return LlamaForCausalLM(cfg).eval()
+
+
+def greedy(model, ids, mask, cache, n: int):
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        cache=cache,
+        max_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+
+
+def padded_prompts(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Two prompts of 14 and 10 tokens, left-padded to 14."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 128, (2, 14), generator=g)
+    pads = [0, 4]
+    mask = torch.ones_like(ids)
+    for r, p in enumerate(pads):
+        ids[r, :p] = 0
+        mask[r, :p] = 0
+    return ids, mask, pads
+
+
+def fake_layer(previous: Observation, acc: torch.Tensor, t: int, budgets: list[int]) -> SimpleNamespace:
+    """The parts of a CompressedLayer that H2OScorer.on_step sees: the state, and the previous
+    query window (which on_step must neither use nor modify)."""
+    return SimpleNamespace(
+        used=t,
+        state={"h2o_acc": acc},
+        extras={},
+        queries=previous.queries,
+        query_index=previous.query_index,
+        query_positions=previous.query_index,
+        budgets=torch.tensor(budgets),
+        policy=SimpleNamespace(schedule=EveryStep()),
+    )
+
+
+# ------------------------------------------------------------------------------ scorer
+@pytest.mark.parametrize("seed,chunk", [(0, 256), (1, 3)])
+def test_h2o_accumulation_and_scores_match_loop_reference(seed, chunk, monkeypatch):
+    """A prefill-like step of 4 queries (one is padding) over 12 slots with EMPTY slots and a
+    per-head layout: the accumulated state, the scores and the kept slots match plain loops
+    (also when the step's queries are processed in blocks of 3)."""
+    monkeypatch.setattr(h2o_module, "QUERY_CHUNK", chunk)
+    g = torch.Generator().manual_seed(seed)
+    b_n, h_n, grp, t_n, d, q = 2, 2, 2, 12, 8, 4
+    index = torch.arange(t_n).expand(b_n, h_n, t_n).clone()
+    index[1, :, :2] = EMPTY  # left padding
+    index[1, 1, 2:11] = torch.arange(3, 12)  # head 1 lost token 2 earlier
+    index[1, 1, 11] = EMPTY
+    q_index = torch.arange(t_n - q, t_n).expand(b_n, q).clone()
+    q_index[1, 0] = -1  # a padding query
+    obs = Observation(  # the step: this forward's queries only
+        queries=torch.randn(b_n, h_n * grp, q, d, generator=g),
+        query_index=q_index,
+        token_index=index,
+        scaling=d**-0.5,
+    )
+    previous = Observation(  # the cache's window from the forward before: one older query
+        queries=torch.randn(b_n, h_n * grp, 1, d, generator=g),
+        query_index=q_index[:, :1] - 1,
+        token_index=index,
+        scaling=d**-0.5,
+    )
+    keys = torch.randn(b_n, h_n, t_n, d, generator=g)
+    start = torch.rand(b_n, h_n, t_n, generator=g)
+    acc = start.clone()
+    scorer = H2OScorer(recent_ratio=0.5)
+    assert scorer.window == 1  # H2O scores from its state; every query reaches on_step anyway
+    layer = fake_layer(previous, acc, t_n, budgets=[6, 7])
+    window_before = (layer.queries, layer.query_index, layer.query_positions)
+    scorer.on_step(obs, keys, layer)
+
+    ref = start.double().clone()
+    for b in range(b_n):
+        for h in range(h_n):
+            for i in range(q):  # the step's queries only, not the older one of the window
+                qi = int(obs.query_index[b, i])
+                if qi < 0:
+                    continue
+                for gg in range(grp):
+                    allowed = [j for j in range(t_n) if index[b, h, j] != EMPTY and index[b, h, j] <= qi]
+                    logit = {
+                        j: float(obs.queries[b, h * grp + gg, i].double() @ keys[b, h, j].double())
+                        * obs.scaling
+                        for j in allowed
+                    }
+                    z = sum(math.exp(v) for v in logit.values())
+                    for j in allowed:
+                        ref[b, h, j] += math.exp(logit[j]) / z
+    assert torch.allclose(acc.double(), ref, atol=1e-6)
+    # The window is the cache's business: on_step leaves it as it was (the cache trims it to 1).
+    window_after = (layer.queries, layer.query_index, layer.query_positions)
+    assert all(a is b for a, b in zip(window_after, window_before, strict=True))
+    assert layer.extras["h2o_recent"].tolist() == [3, 3]  # floor(0.5 * 6), floor(0.5 * 7)
+
+    obs.state = {"h2o_acc": acc}
+    obs.extras = layer.extras
+    scores = scorer.score(obs, keys, keys)
+    keep = torch.tensor([[6, 7], [6, 7]])
+    slots, new_len = select_tokens(scores, index, keep, protected_mask(index, 0, 0))
+    for b in range(b_n):
+        for h in range(h_n):
+            real = [j for j in range(t_n) if index[b, h, j] != EMPTY]
+            recent = real[-3:]
+            for j in real:
+                expect = math.inf if j in recent else float(ref[b, h, j])
+                assert scores[b, h, j] == expect or math.isclose(scores[b, h, j], expect, abs_tol=1e-6)
+            heavy = sorted((j for j in real if j not in recent), key=lambda j: (-float(ref[b, h, j]), -j))
+            expected = sorted(recent + heavy[: int(keep[b, h]) - 3])
+            assert slots[b, h, : new_len[b, h]].tolist() == expected
+
+
+# ------------------------------------------------------------------------------ method
+def test_h2o_scores_follow_the_kept_tokens_through_every_eviction():
+    """At every step and layer, each surviving token's h2o_acc equals the sum of the attention the
+    model actually gave it (eager weights, all query heads of its group, every query since it
+    entered), looked up by token identity: any mis-gathered state would break the equality."""
+    model = tiny_model("eager", seed=2)
+    budget = 6
+    cache = make_cache(model, "h2o", budget=budget)
+    g = model.config.num_attention_heads // model.config.num_key_value_heads
+    at_attention: dict[int, torch.Tensor] = {}
+    original = cache.after_attention
+
+    def spy(layer_idx, *args):
+        layer = cache.layers[layer_idx]
+        at_attention[layer_idx] = layer.token_index[:, :, : layer.used].clone()  # before eviction
+        original(layer_idx, *args)
+
+    cache.after_attention = spy
+    weights: dict[int, torch.Tensor] = {}
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out, i=i: weights.__setitem__(i, out[1]))
+        for i, m in enumerate(attention_modules(model))
+    ]
+    received = [defaultdict(float) for _ in cache.layers]  # (row, head, token) -> total attention
+    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    old_survivors = 0
+    try:
+        with torch.no_grad():
+            for _ in range(30):
+                logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+                ids = logits[:, -1:].argmax(-1)
+                for li, layer in enumerate(cache.layers):
+                    w, idx = weights[li].double(), at_attention[li]
+                    for b, h, s in (idx != EMPTY).nonzero().tolist():
+                        received[li][(b, h, int(idx[b, h, s]))] += float(
+                            w[b, h * g : (h + 1) * g, :, s].sum()
+                        )
+                    acc = layer.state["h2o_acc"]
+                    for b, h, s in (layer.token_index[:, :, : layer.used] != EMPTY).nonzero().tolist():
+                        tok = int(layer.token_index[b, h, s])
+                        assert math.isclose(
+                            float(acc[b, h, s]), received[li][(b, h, tok)], rel_tol=1e-5, abs_tol=1e-6
+                        ), (li, b, h, tok)
+                        old_survivors += tok < 9
+                    assert int(layer.n_valid.max()) == budget
+    finally:
+        for hk in hooks:
+            hk.remove()
+    assert len(cache.events) == 2 * 30  # every layer evicts at every step (prefill included)
+    assert old_survivors > 0  # heavy hitters from the prompt survive many evictions
+
+
+def test_h2o_keeps_the_recent_half_and_heavy_hitters():
+    model = tiny_model(seed=3)
+    cache = make_cache(model, "h2o", budget=8)
+    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    greedy(model, ids, None, cache, 10)
+    seen = cache.layers[0].seen
+    for layer in cache.layers:
+        index = layer.token_index[0, :, : layer.used]
+        # recent half: the newest budget/2 = 4 tokens fed to the cache are all there
+        assert (index[:, -4:] == torch.arange(seen - 4, seen)).all()
+        assert layer.n_valid.tolist() == [[8, 8]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def test_h2o_without_eviction_equals_dynamic_cache(model):
+    stock = tiny_model()
+    ids, mask, _ = padded_prompts()
+    ref = greedy(stock, ids, mask, DynamicCache(config=stock.config), 24)
+    cache = make_cache(model, "h2o", budget=4096)
+    out = greedy(model, ids, mask, cache, 24)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert cache.events == []
+
+
+def test_h2o_memory_stays_bounded_over_300_steps(model):
+    budget = 10
+    cache = make_cache(model, "h2o", budget=budget)
+    ids = torch.randint(1, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+    physical = []
+    with torch.no_grad():
+        for _ in range(300):
+            logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+            ids = logits[:, -1:].argmax(-1)
+            mem = cache.memory()
+            assert int(mem["live_tokens"].max()) == budget
+            for layer in cache.layers:
+                assert layer.keys.shape[2] <= budget + 1 and layer.state["h2o_acc"].shape[2] <= budget + 1
+                assert layer.queries.shape[2] == 1
+            physical.append(mem["physical_bytes"])
+    assert max(physical[150:]) <= max(physical[:150])
+
+
+def test_h2o_padded_batch_equals_rows_alone(model):
+    ids, mask, pads = padded_prompts(seed=5)
+    cache = make_cache(model, "h2o", budget=8)
+    batch = greedy(model, ids, mask, cache, 30).sequences[:, ids.shape[1] :]
+    for r, p in enumerate(pads):
+        alone_cache = make_cache(model, "h2o", budget=8)
+        alone = greedy(model, ids[r : r + 1, p:], None, alone_cache, 30).sequences[:, ids.shape[1] - p :]
+        assert torch.equal(alone[0], batch[r])
+        for lb, la in zip(cache.layers, alone_cache.layers, strict=True):
+            for h in range(lb.token_index.shape[1]):
+                kept_b = [int(i) - p for i in lb.token_index[r, h] if i != EMPTY]
+                kept_a = [int(i) for i in la.token_index[0, h] if i != EMPTY]
+                assert kept_b == kept_a
+                live = lb.token_index[r, h] != EMPTY
+                live_a = la.token_index[0, h] != EMPTY
+                assert torch.allclose(
+                    lb.state["h2o_acc"][r, h][live], la.state["h2o_acc"][0, h][live_a], atol=1e-5
+                )
