@@ -26,7 +26,7 @@ def test_on_step_gets_this_forwards_queries_and_the_previous_window(monkeypatch)
     cache = reasonkv.make_cache(model, "h2o", 64)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, cache=cache)
-        for t in range(2):
+        for _ in range(2):
             mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
             model(input_ids=torch.tensor([[7], [9]]), attention_mask=mask, cache=cache)
     (prefill, window0, shape0), (step1, window1, shape1), (step2, window2, _) = calls
@@ -37,7 +37,7 @@ def test_on_step_gets_this_forwards_queries_and_the_previous_window(monkeypatch)
     assert step2 == [[6], [6]] and window2.tolist() == [[5], [5]]
 
 
-def test_window_keeps_the_newest_queries_of_the_scorer(monkeypatch) -> None:
+def test_window_keeps_the_newest_queries_of_the_scorer() -> None:
     model = tiny_model("llama", "sdpa", 2)
     cache = reasonkv.make_cache(model, "snapkv", 64, window=4, n_recent=4)
     assert isinstance(cache.policy.scorer, SnapKVScorer)
