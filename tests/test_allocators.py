@@ -73,8 +73,12 @@ def global_topk_reference(
     b, h, t = scores.shape
     counts = []
     for r in range(b):
-        items = [(-float(scores[r, kv, j]), kv, j) for kv in range(h) for j in range(t)
-                 if obs.token_index[r, kv, j] != EMPTY and not protected[r, kv, j]]
+        items = [
+            (-float(scores[r, kv, j]), kv, j)
+            for kv in range(h)
+            for j in range(t)
+            if obs.token_index[r, kv, j] != EMPTY and not protected[r, kv, j]
+        ]
         items.sort()
         row = [0] * h
         for _, kv, _ in items[: pool[r]]:
@@ -228,7 +232,7 @@ def test_adakv_heads_hold_real_different_lengths() -> None:
             assert layer.keys.shape[2] == int(lengths.max()) + interval  # physical, not a mask
             for h in range(2):
                 real = layer.token_index[0, h] != EMPTY
-                assert bool(real[: lengths[h]].all()) and not bool(real[lengths[h]:].any())
+                assert bool(real[: lengths[h]].all()) and not bool(real[lengths[h] :].any())
             assert c.memory()["live_tokens"][event.layer].tolist() == lengths.tolist()
             checked.append(lengths.tolist())
 
@@ -247,12 +251,12 @@ def test_padded_batch_equals_rows_alone(method: str) -> None:
     kw = dict(max_new_tokens=40, do_sample=False)
     knobs = dict(interval=4)
     cache = make_cache(model, method, 16, **knobs)
-    batch = model.generate(ids, attention_mask=mask, cache=cache, **kw)[:, ids.shape[1]:]
+    batch = model.generate(ids, attention_mask=mask, cache=cache, **kw)[:, ids.shape[1] :]
     assert len(cache.events) > 10
     for r, p in enumerate(prompts):
         pad = ids.shape[1] - p.numel()
         alone_cache = make_cache(model, method, 16, **knobs)
-        alone = model.generate(p[None], cache=alone_cache, **kw)[:, p.numel():]
+        alone = model.generate(p[None], cache=alone_cache, **kw)[:, p.numel() :]
         assert torch.equal(alone[0], batch[r])
         for lb, la in zip(cache.layers, alone_cache.layers, strict=True):
             for h in range(lb.token_index.shape[1]):

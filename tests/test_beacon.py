@@ -22,18 +22,37 @@ D = 16
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     # YaRN also scales cos/sin (attention_scaling != 1): the round trip must undo it.
-    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0,
-             "original_max_position_embeddings": 64},
+    "yarn": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 16.0,
+        "original_max_position_embeddings": 64,
+    },
 }
 
 
 def rope_config(rope: str) -> LlamaConfig:
-    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=D, max_position_embeddings=1024,
-                       rope_parameters=dict(ROPES[rope]), pad_token_id=0)
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=D,
+        max_position_embeddings=1024,
+        rope_parameters=dict(ROPES[rope]),
+        pad_token_id=0,
+    )
 
 
 # --------------------------------------------------------------------------- rotation
@@ -190,12 +209,18 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window() -> None:
         positions = index.clone()
         for r, p in enumerate(pads):  # left padding: the first p tokens of row r are not real
             positions[r] -= p
-            index[r, :max(0, p - seen)] = -1
+            index[r, : max(0, p - seen)] = -1
         cos, sin = rotary(pre, positions)
         post = apply_rotary_pos_emb(pre, pre, cos, sin)[0]
-        step = Observation(post, index, torch.zeros(b, h, 1, dtype=torch.long), D**-0.5,
-                           query_positions=positions, rope_inv_freq=rotary.inv_freq,
-                           rope_attention_scaling=rotary.attention_scaling)
+        step = Observation(
+            post,
+            index,
+            torch.zeros(b, h, 1, dtype=torch.long),
+            D**-0.5,
+            query_positions=positions,
+            rope_inv_freq=rotary.inv_freq,
+            rope_attention_scaling=rotary.attention_scaling,
+        )
         window_before = (layer.queries, layer.query_index, layer.query_positions)
         scorer.on_step(step, torch.zeros(b, h, 1, D), layer)
         window_after = (layer.queries, layer.query_index, layer.query_positions)
@@ -204,7 +229,7 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window() -> None:
         history += [(pre[:, :, i], index[:, i]) for i in range(q)]
         seen += q
         leaving = history[: len(history) - 5]
-        history = history[len(history) - 5:]
+        history = history[len(history) - 5 :]
         for vec, idx in leaving:
             for r in range(b):
                 if idx[r] < 0:
@@ -219,8 +244,12 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window() -> None:
             for kv in range(h):
                 assert int(count[r, kv]) == len(refs[r][kv].points)
                 if refs[r][kv].points:
-                    torch.testing.assert_close(layer.extras["beacons"][r, kv, : int(count[r, kv])],
-                                               torch.tensor(refs[r][kv].points), atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(
+                        layer.extras["beacons"][r, kv, : int(count[r, kv])],
+                        torch.tensor(refs[r][kv].points),
+                        atol=1e-4,
+                        rtol=1e-4,
+                    )
     assert int(layer.extras["beacon_count"].max()) < 10
 
 
@@ -253,16 +282,22 @@ def reference_scores(obs: Observation, keys: torch.Tensor, aggregation: str) -> 
                     continue
                 for g_ in range(grp):
                     q = obs.queries[r, kv * grp + g_, i].tolist()
-                    allowed = [j for j in range(t) if obs.token_index[r, kv, j] != EMPTY
-                               and obs.token_index[r, kv, j] <= obs.query_index[r, i]]
+                    allowed = [
+                        j
+                        for j in range(t)
+                        if obs.token_index[r, kv, j] != EMPTY
+                        and obs.token_index[r, kv, j] <= obs.query_index[r, i]
+                    ]
                     rows.append((q, allowed))
             for m in range(int(obs.extras["beacon_count"][r, kv])):
                 beacon = obs.extras["beacons"][r, kv, m].tolist()
                 q = rope_by_hand(beacon, now, inv, obs.rope_attention_scaling)
                 rows.append((q, [j for j in range(t) if obs.token_index[r, kv, j] != EMPTY]))
             for q, allowed in rows:
-                logits = {j: sum(x * y for x, y in zip(q, keys[r, kv, j].tolist(), strict=True)) * obs.scaling
-                          for j in allowed}
+                logits = {
+                    j: sum(x * y for x, y in zip(q, keys[r, kv, j].tolist(), strict=True)) * obs.scaling
+                    for j in allowed
+                }
                 top = max(logits.values())
                 z = sum(math.exp(v - top) for v in logits.values())
                 for j, v in logits.items():
@@ -294,8 +329,10 @@ def hand_made_case(seed: int = 6) -> tuple[Observation, torch.Tensor]:
         token_index=index,
         scaling=D**-0.5,
         query_positions=positions,
-        extras={"beacons": torch.randn(b, h, m, D, generator=g) * 2,
-                "beacon_count": torch.tensor([[6, 0], [2, 5]])},
+        extras={
+            "beacons": torch.randn(b, h, m, D, generator=g) * 2,
+            "beacon_count": torch.tensor([[6, 0], [2, 5]]),
+        },
         rope_inv_freq=inv,
         rope_attention_scaling=1.2,
     )
@@ -336,8 +373,18 @@ def test_beacons_change_the_choice_and_pooling_is_optional() -> None:
 # ------------------------------------------------------------------------ end to end
 def test_knobs_reach_the_scorer_and_schedule() -> None:
     model = tiny_model("llama", "sdpa", 2)
-    cache = make_cache(model, "beaconkv", 64, beacon_max=12, beacon_min=3, recent=8, aggregation="mean",
-                       pooling="avg", kernel=5, fraction=0.25)
+    cache = make_cache(
+        model,
+        "beaconkv",
+        64,
+        beacon_max=12,
+        beacon_min=3,
+        recent=8,
+        aggregation="mean",
+        pooling="avg",
+        kernel=5,
+        fraction=0.25,
+    )
     scorer = cache.policy.scorer
     assert (scorer.beacon_max, scorer.beacon_min, scorer.recent, scorer.aggregation) == (12, 3, 8, "mean")
     assert (scorer.pooling, scorer.kernel) == ("avg", 5)
@@ -412,12 +459,12 @@ def test_beaconkv_padded_batch_equals_rows_alone() -> None:
     ids, mask = left_pad(prompts)
     kw = dict(max_new_tokens=40, do_sample=False)
     cache = make_cache(model, "beaconkv", 32)
-    batch = model.generate(ids, attention_mask=mask, cache=cache, **kw)[:, ids.shape[1]:]
+    batch = model.generate(ids, attention_mask=mask, cache=cache, **kw)[:, ids.shape[1] :]
     assert len(cache.events) > 10
     for r, p in enumerate(prompts):
         pad = ids.shape[1] - p.numel()
         alone_cache = make_cache(model, "beaconkv", 32)
-        alone = model.generate(p[None], cache=alone_cache, **kw)[:, p.numel():]
+        alone = model.generate(p[None], cache=alone_cache, **kw)[:, p.numel() :]
         assert torch.equal(alone[0], batch[r])
         for lb, la in zip(cache.layers, alone_cache.layers, strict=True):
             for h in range(lb.token_index.shape[1]):

@@ -128,8 +128,12 @@ def test_diffuse_preference_reverses_the_split(tmp_path) -> None:
 
 
 def test_wave_plot_and_curve_agreement(tmp_path) -> None:
-    profile = {"model": "tiny", "traces": ["a", "b"], "tokens_seen": 10,
-               "per_trace_demand": [[0.9, 0.5, 0.7], [0.8, 0.4, 0.8]]}
+    profile = {
+        "model": "tiny",
+        "traces": ["a", "b"],
+        "tokens_seen": 10,
+        "per_trace_demand": [[0.9, 0.5, 0.7], [0.8, 0.4, 0.8]],
+    }
     out = plot_wave(profile, tmp_path / "wave.png")
     assert out.stat().st_size > 5000
     same = curve_agreement([0.9, 0.5, 0.7], [0.9, 0.5, 0.7])

@@ -90,8 +90,9 @@ def test_head_split_is_exact_and_respects_floor(heads, rows, floor, per_head, se
 
 
 def test_focused_heads_get_more():
-    out = split_by_utility(torch.tensor([300]), torch.tensor([[0.9, 0.1, 0.5]]), torch.tensor(20),
-                           torch.full((1, 3), 1000))
+    out = split_by_utility(
+        torch.tensor([300]), torch.tensor([[0.9, 0.1, 0.5]]), torch.tensor(20), torch.full((1, 3), 1000)
+    )
     assert int(out.sum()) == 300
     assert out[0, 0] > out[0, 2] > out[0, 1] >= 20
 
@@ -102,8 +103,9 @@ def _obs_from_probs_target(keys_per_head: int) -> tuple[Observation, torch.Tenso
     queries = torch.tensor([0.0, 50.0]).reshape(1, 2, 1, 1)  # head 0 uniform, head 1 peaked
     keys[0, 1, -1, 0] = 2.0  # head 1's last key dominates
     index = torch.arange(keys_per_head).expand(1, 2, -1).clone()
-    obs = Observation(queries=queries, query_index=torch.tensor([[keys_per_head - 1]]), token_index=index,
-                      scaling=1.0)
+    obs = Observation(
+        queries=queries, query_index=torch.tensor([[keys_per_head - 1]]), token_index=index, scaling=1.0
+    )
     return obs, keys
 
 

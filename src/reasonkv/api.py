@@ -127,8 +127,14 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
     )
 
 
-def generate(model, tokenizer, prompt: str | list[str], cache: CompressedCache | None = None,
-             chat: bool = True, **generate_kwargs) -> tuple[list[str], torch.Tensor]:
+def generate(
+    model,
+    tokenizer,
+    prompt: str | list[str],
+    cache: CompressedCache | None = None,
+    chat: bool = True,
+    **generate_kwargs,
+) -> tuple[list[str], torch.Tensor]:
     """Convenience: tokenize (chat template when the tokenizer has one), generate, decode."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if chat and getattr(tokenizer, "chat_template", None):
@@ -142,5 +148,5 @@ def generate(model, tokenizer, prompt: str | list[str], cache: CompressedCache |
     inputs = {k: v.to(model.device) for k, v in inputs.items()}
     generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
     out = model.generate(**inputs, cache=cache, **generate_kwargs)
-    new = out[:, inputs["input_ids"].shape[1]:]
+    new = out[:, inputs["input_ids"].shape[1] :]
     return tokenizer.batch_decode(new, skip_special_tokens=True), new

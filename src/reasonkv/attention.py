@@ -67,7 +67,12 @@ def _sdpa(query, key, value, mask, scaling, is_causal):
     if mask is not None and mask.shape[1] not in (1, hq):
         mask = mask.repeat_interleave(hq // h, dim=1)  # per-KV-head mask -> per query head
     out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, is_causal=is_causal and mask is None, scale=scaling,
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        is_causal=is_causal and mask is None,
+        scale=scaling,
         enable_gqa=hq != h,
     )
     return out, None
@@ -98,7 +103,9 @@ def _make_attention(kernel):
         layer = cache.layers[module.layer_idx]
         new_valid = _new_token_validity(attention_mask, q_len)
         layer.mark_padding(new_valid)
-        query_index = torch.arange(layer.new_start, layer.seen, device=query.device).expand(query.shape[0], -1)
+        query_index = torch.arange(layer.new_start, layer.seen, device=query.device).expand(
+            query.shape[0], -1
+        )
         mask = layer.attention_mask(query_index)
         fresh_prefill = mask is None and q_len == layer.used
         out, weights = kernel(query, key, value, mask, scaling, is_causal=fresh_prefill and q_len > 1)

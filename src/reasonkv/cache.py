@@ -226,9 +226,7 @@ class CompressedLayer(CacheLayerMixin):
         index = self.token_index[:, :, : self.used]
         rel = index - self.new_start  # EMPTY stays huge
         in_step = (rel >= 0) & (rel < q)
-        pad = in_step & ~new_valid[:, None, :].expand(-1, index.shape[1], -1).gather(
-            2, rel.clamp(0, q - 1)
-        )
+        pad = in_step & ~new_valid[:, None, :].expand(-1, index.shape[1], -1).gather(2, rel.clamp(0, q - 1))
         index.masked_fill_(pad, EMPTY)
         self.n_valid -= (~new_valid).sum(-1, keepdim=True)
         self.dense = False
@@ -289,7 +287,10 @@ class CompressedLayer(CacheLayerMixin):
         return self._observation(query.detach(), index, positions, scaling)
 
     def _observation(
-        self, queries: torch.Tensor | None, index: torch.Tensor | None, positions: torch.Tensor | None,
+        self,
+        queries: torch.Tensor | None,
+        index: torch.Tensor | None,
+        positions: torch.Tensor | None,
         scaling: float,
     ) -> Observation:
         return Observation(
@@ -366,8 +367,17 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def _select_rows(self, rows: torch.Tensor) -> None:
-        for name in ("keys", "values", "token_index", "lengths", "n_valid", "queries", "query_index",
-                     "query_positions", "prompt_end"):
+        for name in (
+            "keys",
+            "values",
+            "token_index",
+            "lengths",
+            "n_valid",
+            "queries",
+            "query_index",
+            "query_positions",
+            "prompt_end",
+        ):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, rows.to(t.device)))
@@ -446,7 +456,9 @@ class CompressedCache(Cache):
 
     def check_module(self, module: torch.nn.Module) -> None:
         idx = module.layer_idx
-        if self._module_ids is not None and (idx >= len(self._module_ids) or self._module_ids[idx] != id(module)):
+        if self._module_ids is not None and (
+            idx >= len(self._module_ids) or self._module_ids[idx] != id(module)
+        ):
             raise RuntimeError(
                 "this CompressedCache was made for another model; build one cache per model with "
                 "reasonkv.make_cache(model, ...)"
@@ -494,8 +506,13 @@ class CompressedCache(Cache):
             keep = layer._targets.expand_as(layer.n_valid)
         if self.policy.head_allocator is not None:
             keep = self.policy.head_allocator.split(
-                keep.sum(-1), obs, scores, layer.n_valid, keys=keys,
-                min_tokens=self.policy.n_sink + self.policy.n_recent, rows=rows,
+                keep.sum(-1),
+                obs,
+                scores,
+                layer.n_valid,
+                keys=keys,
+                min_tokens=self.policy.n_sink + self.policy.n_recent,
+                rows=rows,
             )
         keep = torch.where(rows[:, None], keep, layer.n_valid)
         layer.compress(keep, scores)
@@ -529,7 +546,8 @@ class CompressedCache(Cache):
         return max(trig) - 1 if self.policy.head_allocator is None else None
 
     def __repr__(self) -> str:
-        return f"CompressedCache(method={self.method!r}, layers={len(self.layers)}, seen={self.get_seq_length()})"
+        seen = self.get_seq_length()
+        return f"CompressedCache(method={self.method!r}, layers={len(self.layers)}, seen={seen})"
 
 
 def default_scaling(head_dim: int) -> float:

@@ -48,7 +48,8 @@ def check_supported(config) -> None:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"model type {model_type!r} is not supported; reasonkv supports {', '.join(SUPPORTED_MODEL_TYPES)} "
+            f"model type {model_type!r} is not supported; reasonkv supports "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} "
             "(full attention with RoPE on every layer)"
         )
     layer_types = getattr(config, "layer_types", None) or []

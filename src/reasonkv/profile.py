@@ -38,8 +38,18 @@ PACKAGED_PROFILES = Path(__file__).parent / "profiles"
 
 def config_hash(config) -> str:
     """Hash of the config fields that shape attention (and the vocabulary, to tell models apart)."""
-    keys = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "hidden_size", "intermediate_size", "vocab_size", "rope_parameters", "rope_theta")
+    keys = (
+        "model_type",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_size",
+        "intermediate_size",
+        "vocab_size",
+        "rope_parameters",
+        "rope_theta",
+    )
     data = {k: getattr(config, k, None) for k in keys}
     blob = json.dumps(data, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -65,15 +75,17 @@ class _Observer:
         index = step.query_index[0]  # this forward's queries only (-1 = padding)
         sel = (index >= 0) & (index >= self.start) & ((index - self.start) % self.stride == 0)
         for i in sel.nonzero().flatten().tolist():
-            one = Observation(step.queries[:, :, i : i + 1], step.query_index[:, i : i + 1], step.token_index,
-                              step.scaling)
+            one = Observation(
+                step.queries[:, :, i : i + 1], step.query_index[:, i : i + 1], step.token_index, step.scaling
+            )
             ent, mass = attention_stats(one, keys, self.topk)
             self.entropy.setdefault(layer.layer_idx, []).append(ent[0])
             self.mass.setdefault(layer.layer_idx, []).append(mass[0])
 
 
-def profile_trace(model, ids: torch.Tensor, prompt_len: int, *, chunk: int = 64, stride: int = 16,
-                  topk: int = 64) -> dict[str, torch.Tensor]:
+def profile_trace(
+    model, ids: torch.Tensor, prompt_len: int, *, chunk: int = 64, stride: int = 16, topk: int = 64
+) -> dict[str, torch.Tensor]:
     """Replay one tokenised trace with the full cache; return entropy and top-k mass
     [steps, L, H] at every `stride`-th trace position."""
     shape = model_shape(model)
@@ -81,8 +93,13 @@ def profile_trace(model, ids: torch.Tensor, prompt_len: int, *, chunk: int = 64,
     observer = _Observer(stride=stride, topk=topk, start=prompt_len)
     budgets = torch.ones(shape.n_layers, shape.n_kv_heads, dtype=torch.long)
     modules = attention_modules(model)
-    cache = CompressedCache(budgets, LayerPolicy(scorer=observer, schedule=NEVER, n_sink=0, n_recent=0),
-                            method="profile", attention_modules=modules, scaling=float(modules[0].scaling))
+    cache = CompressedCache(
+        budgets,
+        LayerPolicy(scorer=observer, schedule=NEVER, n_sink=0, n_recent=0),
+        method="profile",
+        attention_modules=modules,
+        scaling=float(modules[0].scaling),
+    )
     with torch.no_grad():
         model(input_ids=ids[:, :prompt_len], cache=cache, logits_to_keep=1)
         for s in range(prompt_len, ids.shape[1], chunk):
@@ -211,8 +228,11 @@ def plot_wave(profile: dict, path: str | Path, title: str | None = None) -> Path
     ax.plot(layers, mean, marker="o", ms=3, label="mean demand")
     ax.set_xlabel("layer")
     ax.set_ylabel("normalised attention entropy")
-    ax.set_title(title or f"Reasoning Wave: {profile['model']} ({len(profile['traces'])} traces, "
-                 f"{profile['tokens_seen']} tokens)")
+    ax.set_title(
+        title
+        or f"Reasoning Wave: {profile['model']} ({len(profile['traces'])} traces, "
+        f"{profile['tokens_seen']} tokens)"
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

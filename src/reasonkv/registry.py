@@ -77,79 +77,146 @@ def available_methods() -> dict[str, str]:
     return {name: spec.description for name, spec in METHODS.items()}
 
 
-register(MethodSpec(
-    "full", "no eviction: the reference every method is measured against", "-",
-    StreamingScorer, NEVER, defaults={"n_sink": 0, "n_recent": 0}, compresses=False,
-))
-register(MethodSpec(
-    "streaming", "attention sinks + the most recent tokens, no scoring",
-    "StreamingLLM, Xiao et al. 2023, arXiv:2309.17453",
-    StreamingScorer, EveryStep, defaults={"n_sink": 4, "n_recent": 1},
-))
-register(MethodSpec(
-    "tova", "keep what the current query attends to most (group mean), every step",
-    "TOVA, Oren et al. 2024, arXiv:2401.06104",
-    TOVAScorer, EveryStep, defaults={"n_sink": 0, "n_recent": 1},
-))
-register(MethodSpec(
-    "snapkv", "decode-time SnapKV: last 8 queries' attention, max-pooled; compress to B every 128 steps",
-    "SnapKV, Li et al. 2024, arXiv:2404.14469 (decode variant of R-KV, arXiv:2505.24133)",
-    SnapKVScorer, FixedBuffer, defaults={"n_sink": 0, "n_recent": 8},
-))
+register(
+    MethodSpec(
+        "full",
+        "no eviction: the reference every method is measured against",
+        "-",
+        StreamingScorer,
+        NEVER,
+        defaults={"n_sink": 0, "n_recent": 0},
+        compresses=False,
+    )
+)
+register(
+    MethodSpec(
+        "streaming",
+        "attention sinks + the most recent tokens, no scoring",
+        "StreamingLLM, Xiao et al. 2023, arXiv:2309.17453",
+        StreamingScorer,
+        EveryStep,
+        defaults={"n_sink": 4, "n_recent": 1},
+    )
+)
+register(
+    MethodSpec(
+        "tova",
+        "keep what the current query attends to most (group mean), every step",
+        "TOVA, Oren et al. 2024, arXiv:2401.06104",
+        TOVAScorer,
+        EveryStep,
+        defaults={"n_sink": 0, "n_recent": 1},
+    )
+)
+register(
+    MethodSpec(
+        "snapkv",
+        "decode-time SnapKV: last 8 queries' attention, max-pooled; compress to B every 128 steps",
+        "SnapKV, Li et al. 2024, arXiv:2404.14469 (decode variant of R-KV, arXiv:2505.24133)",
+        SnapKVScorer,
+        FixedBuffer,
+        defaults={"n_sink": 0, "n_recent": 8},
+    )
+)
 
 
-register(MethodSpec(
-    "h2o", "heavy hitters by cumulative attention (summed over the GQA group) + the recent half of the "
-    "budget (recent_ratio), every step",
-    "H2O, Zhang et al. 2023, arXiv:2306.14048",
-    H2OScorer, EveryStep, defaults={"n_sink": 0, "n_recent": 0},
-))
-register(MethodSpec(
-    "rkv", "R-KV: λ·importance (last 8 queries, group-max logits, max-pool 7) − (1−λ)·key redundancy "
-    "(cosine > 0.5, newest duplicate spared), λ=0.1; compress to B every 128 steps",
-    "R-KV, Cai et al. 2025, arXiv:2505.24133",
-    RKVScorer, FixedBuffer, defaults={"n_sink": 0, "n_recent": 8},
-))
-register(MethodSpec(
-    "rpc", "RPC: every P generated tokens keep P/c of them, chosen by the last R=32 queries (mean over all "
-    "heads, avg-pool 7); prompt and last R kept. budget = P/c per period (P = budget·ratio unless "
-    "interval is set); set window and n_recent together (both are R)",
-    "Reasoning Path Compression, Song et al. 2025, arXiv:2505.13866",
-    RPCScorer, PeriodicRatio, defaults={"n_sink": 0, "n_recent": 32, "protect_prompt": True},
-))
+register(
+    MethodSpec(
+        "h2o",
+        "heavy hitters by cumulative attention (summed over the GQA group) + the recent half of the "
+        "budget (recent_ratio), every step",
+        "H2O, Zhang et al. 2023, arXiv:2306.14048",
+        H2OScorer,
+        EveryStep,
+        defaults={"n_sink": 0, "n_recent": 0},
+    )
+)
+register(
+    MethodSpec(
+        "rkv",
+        "R-KV: λ·importance (last 8 queries, group-max logits, max-pool 7) − (1−λ)·key redundancy "
+        "(cosine > 0.5, newest duplicate spared), λ=0.1; compress to B every 128 steps",
+        "R-KV, Cai et al. 2025, arXiv:2505.24133",
+        RKVScorer,
+        FixedBuffer,
+        defaults={"n_sink": 0, "n_recent": 8},
+    )
+)
+register(
+    MethodSpec(
+        "rpc",
+        "RPC: every P generated tokens keep P/c of them, chosen by the last R=32 queries (mean over all "
+        "heads, avg-pool 7); prompt and last R kept. budget = P/c per period (P = budget·ratio unless "
+        "interval is set); set window and n_recent together (both are R)",
+        "Reasoning Path Compression, Song et al. 2025, arXiv:2505.13866",
+        RPCScorer,
+        PeriodicRatio,
+        defaults={"n_sink": 0, "n_recent": 32, "protect_prompt": True},
+    )
+)
 
 
-register(MethodSpec(
-    "beaconkv", "BeaconKV: max attention of beacon queries (continual FPS over pre-RoPE queries, grow to "
-    "beacon_max, shrink to beacon_min, rotated to the current position) and the recent queries, over the "
-    "GQA group; sinks + recent kept; at B_max evict fraction·B_max",
-    "BeaconKV, Kim et al. 2026, arXiv:2609.04971",
-    BeaconKVScorer, MaxMinThreshold, defaults={"n_sink": 4, "n_recent": 16},
-))
-register(MethodSpec(
-    "pyramidkv", "SnapKV scores with PyramidKV's layer budgets (linear, layer 0 largest, β=20, "
-    "mean = budget); compress to the layer's budget every 128 steps",
-    "PyramidKV, Cai et al. 2024, arXiv:2406.02069 (SnapKV scoring, decode variant)",
-    SnapKVScorer, FixedBuffer, allocator=PyramidAllocator, defaults={"n_sink": 0, "n_recent": 8},
-))
-register(MethodSpec(
-    "adakv-snapkv", "SnapKV scores, AdaKV head split: global top-k over a layer's heads with a floor "
-    "(floor_alpha), real per-head lengths; compress every 128 steps",
-    "AdaKV, Feng et al. 2024, arXiv:2407.11550 (SnapKV scoring, decode variant)",
-    SnapKVScorer, FixedBuffer, defaults={"n_sink": 0, "n_recent": 8}, head_allocator=AdaKVHeadAllocator,
-))
-register(MethodSpec(
-    "pyramid-rkv", "R-KV scores with PyramidKV's layer budgets (linear, layer 0 largest, β=20); "
-    "compress every 128 steps — ReasonAlloc's monotone baseline",
-    "Pyramid-RKV as in ReasonAlloc, arXiv:2606.11164 (PyramidKV arXiv:2406.02069 + R-KV arXiv:2505.24133)",
-    RKVScorer, FixedBuffer, allocator=PyramidAllocator, defaults={"n_sink": 0, "n_recent": 8},
-))
-register(MethodSpec(
-    "adakv-rkv", "R-KV scores, AdaKV head split: global top-k over a layer's heads with a floor "
-    "(floor_alpha), real per-head lengths; compress every 128 steps",
-    "AdaKV, Feng et al. 2024, arXiv:2407.11550 (R-KV scoring, arXiv:2505.24133)",
-    RKVScorer, FixedBuffer, defaults={"n_sink": 0, "n_recent": 8}, head_allocator=AdaKVHeadAllocator,
-))
+register(
+    MethodSpec(
+        "beaconkv",
+        "BeaconKV: max attention of beacon queries (continual FPS over pre-RoPE queries, grow to "
+        "beacon_max, shrink to beacon_min, rotated to the current position) and the recent queries, over the "
+        "GQA group; sinks + recent kept; at B_max evict fraction·B_max",
+        "BeaconKV, Kim et al. 2026, arXiv:2609.04971",
+        BeaconKVScorer,
+        MaxMinThreshold,
+        defaults={"n_sink": 4, "n_recent": 16},
+    )
+)
+register(
+    MethodSpec(
+        "pyramidkv",
+        "SnapKV scores with PyramidKV's layer budgets (linear, layer 0 largest, β=20, "
+        "mean = budget); compress to the layer's budget every 128 steps",
+        "PyramidKV, Cai et al. 2024, arXiv:2406.02069 (SnapKV scoring, decode variant)",
+        SnapKVScorer,
+        FixedBuffer,
+        allocator=PyramidAllocator,
+        defaults={"n_sink": 0, "n_recent": 8},
+    )
+)
+register(
+    MethodSpec(
+        "adakv-snapkv",
+        "SnapKV scores, AdaKV head split: global top-k over a layer's heads with a floor "
+        "(floor_alpha), real per-head lengths; compress every 128 steps",
+        "AdaKV, Feng et al. 2024, arXiv:2407.11550 (SnapKV scoring, decode variant)",
+        SnapKVScorer,
+        FixedBuffer,
+        defaults={"n_sink": 0, "n_recent": 8},
+        head_allocator=AdaKVHeadAllocator,
+    )
+)
+register(
+    MethodSpec(
+        "pyramid-rkv",
+        "R-KV scores with PyramidKV's layer budgets (linear, layer 0 largest, β=20); "
+        "compress every 128 steps — ReasonAlloc's monotone baseline",
+        "Pyramid-RKV as in ReasonAlloc, arXiv:2606.11164 "
+        "(PyramidKV arXiv:2406.02069 + R-KV arXiv:2505.24133)",
+        RKVScorer,
+        FixedBuffer,
+        allocator=PyramidAllocator,
+        defaults={"n_sink": 0, "n_recent": 8},
+    )
+)
+register(
+    MethodSpec(
+        "adakv-rkv",
+        "R-KV scores, AdaKV head split: global top-k over a layer's heads with a floor "
+        "(floor_alpha), real per-head lengths; compress every 128 steps",
+        "AdaKV, Feng et al. 2024, arXiv:2407.11550 (R-KV scoring, arXiv:2505.24133)",
+        RKVScorer,
+        FixedBuffer,
+        defaults={"n_sink": 0, "n_recent": 8},
+        head_allocator=AdaKVHeadAllocator,
+    )
+)
 
 # --- ReasonAlloc (issue 4): profiled layer budgets x entropy head split, on any scorer ---
 _REASONALLOC = "ReasonAlloc, arXiv:2606.11164"
@@ -157,28 +224,62 @@ _REASONALLOC_WHAT = (
     "layer budgets follow the profiled Reasoning Wave (demand^(1/tau), exact total); at each "
     "compression heads split the layer budget by 1 - normalised entropy (EMA, floor)"
 )
-register(MethodSpec(
-    "reasonalloc-rkv", f"R-KV scores; {_REASONALLOC_WHAT}; compress every 128 steps", _REASONALLOC,
-    RKVScorer, FixedBuffer, allocator=ReasonAllocAllocator, head_allocator=EntropyHeadSplit,
-    defaults={"n_sink": 0, "n_recent": 8},
-))
-register(MethodSpec(
-    "reasonalloc-snapkv", f"SnapKV scores; {_REASONALLOC_WHAT}; compress every 128 steps", _REASONALLOC,
-    SnapKVScorer, FixedBuffer, allocator=ReasonAllocAllocator, head_allocator=EntropyHeadSplit,
-    defaults={"n_sink": 0, "n_recent": 8},
-))
-register(MethodSpec(
-    "reasonalloc-beaconkv", f"BeaconKV scores; {_REASONALLOC_WHAT}; max/min threshold", _REASONALLOC,
-    BeaconKVScorer, MaxMinThreshold, allocator=ReasonAllocAllocator, head_allocator=EntropyHeadSplit,
-    defaults={"n_sink": 4, "n_recent": 16},
-))
-register(MethodSpec(
-    "reasonalloc-layer-rkv", "ablation: R-KV with ReasonAlloc's profiled layer budgets only (heads uniform)",
-    _REASONALLOC, RKVScorer, FixedBuffer, allocator=ReasonAllocAllocator,
-    defaults={"n_sink": 0, "n_recent": 8},
-))
-register(MethodSpec(
-    "reasonalloc-head-rkv", "ablation: R-KV with ReasonAlloc's online head split only (layers uniform)",
-    _REASONALLOC, RKVScorer, FixedBuffer, allocator=ReasonAllocAllocator, head_allocator=EntropyHeadSplit,
-    defaults={"n_sink": 0, "n_recent": 8, "layer_level": False},
-))
+register(
+    MethodSpec(
+        "reasonalloc-rkv",
+        f"R-KV scores; {_REASONALLOC_WHAT}; compress every 128 steps",
+        _REASONALLOC,
+        RKVScorer,
+        FixedBuffer,
+        allocator=ReasonAllocAllocator,
+        head_allocator=EntropyHeadSplit,
+        defaults={"n_sink": 0, "n_recent": 8},
+    )
+)
+register(
+    MethodSpec(
+        "reasonalloc-snapkv",
+        f"SnapKV scores; {_REASONALLOC_WHAT}; compress every 128 steps",
+        _REASONALLOC,
+        SnapKVScorer,
+        FixedBuffer,
+        allocator=ReasonAllocAllocator,
+        head_allocator=EntropyHeadSplit,
+        defaults={"n_sink": 0, "n_recent": 8},
+    )
+)
+register(
+    MethodSpec(
+        "reasonalloc-beaconkv",
+        f"BeaconKV scores; {_REASONALLOC_WHAT}; max/min threshold",
+        _REASONALLOC,
+        BeaconKVScorer,
+        MaxMinThreshold,
+        allocator=ReasonAllocAllocator,
+        head_allocator=EntropyHeadSplit,
+        defaults={"n_sink": 4, "n_recent": 16},
+    )
+)
+register(
+    MethodSpec(
+        "reasonalloc-layer-rkv",
+        "ablation: R-KV with ReasonAlloc's profiled layer budgets only (heads uniform)",
+        _REASONALLOC,
+        RKVScorer,
+        FixedBuffer,
+        allocator=ReasonAllocAllocator,
+        defaults={"n_sink": 0, "n_recent": 8},
+    )
+)
+register(
+    MethodSpec(
+        "reasonalloc-head-rkv",
+        "ablation: R-KV with ReasonAlloc's online head split only (layers uniform)",
+        _REASONALLOC,
+        RKVScorer,
+        FixedBuffer,
+        allocator=ReasonAllocAllocator,
+        head_allocator=EntropyHeadSplit,
+        defaults={"n_sink": 0, "n_recent": 8, "layer_level": False},
+    )
+)

@@ -71,8 +71,15 @@ def plot_head_budgets(record: dict, path: str | Path, layers: list[int] | None =
         mine = [e for e in events if e["layer"] == layer]
         grid = np.array([e["lengths"] for e in mine]).T  # [heads, events]
         steps = [e["seen"] for e in mine]
-        im = ax.imshow(grid, aspect="auto", interpolation="nearest", vmin=0, vmax=vmax, cmap="viridis",
-                       extent=(steps[0], steps[-1], grid.shape[0] - 0.5, -0.5))
+        im = ax.imshow(
+            grid,
+            aspect="auto",
+            interpolation="nearest",
+            vmin=0,
+            vmax=vmax,
+            cmap="viridis",
+            extent=(steps[0], steps[-1], grid.shape[0] - 0.5, -0.5),
+        )
         ax.set_ylabel(f"L{layer}\nhead")
         ax.set_yticks(range(grid.shape[0]))
     axes[-1, 0].set_xlabel("tokens seen at compression")

@@ -75,8 +75,14 @@ class AdaKVHeadAllocator:
             )
 
     def split(
-        self, layer_total: torch.Tensor, obs: Observation, scores: torch.Tensor, n_valid: torch.Tensor,
-        keys: torch.Tensor | None = None, min_tokens: int = 0, rows: torch.Tensor | None = None,
+        self,
+        layer_total: torch.Tensor,
+        obs: Observation,
+        scores: torch.Tensor,
+        n_valid: torch.Tensor,
+        keys: torch.Tensor | None = None,
+        min_tokens: int = 0,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, h, t = scores.shape
         valid = obs.key_valid

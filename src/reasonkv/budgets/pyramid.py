@@ -21,8 +21,9 @@ def largest_remainder(shares: torch.Tensor, total: torch.Tensor | int) -> torch.
     base = shares.floor().long()
     missing = torch.as_tensor(total, device=shares.device).long() - base.sum(-1)
     order = torch.sort(shares - base, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(shares.shape[-1], device=shares.device)
-                                            .expand_as(order).contiguous())
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(shares.shape[-1], device=shares.device).expand_as(order).contiguous()
+    )
     return base + (rank < missing[..., None]).long()
 
 

@@ -28,8 +28,9 @@ def largest_remainder(shares: torch.Tensor, total: torch.Tensor | int) -> torch.
     missing = total - base.sum(-1)  # [...]
     frac = shares - base
     order = torch.sort(frac, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(shares.shape[-1], device=shares.device)
-                                            .expand_as(order).contiguous())
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(shares.shape[-1], device=shares.device).expand_as(order).contiguous()
+    )
     return base + (rank < missing[..., None]).long()
 
 
@@ -100,8 +101,9 @@ def normalised_entropy(obs: Observation, keys: torch.Tensor) -> torch.Tensor:
     return attention_stats(obs, keys)[0]
 
 
-def split_by_utility(total: torch.Tensor, utility: torch.Tensor, floor: torch.Tensor,
-                     cap: torch.Tensor) -> torch.Tensor:
+def split_by_utility(
+    total: torch.Tensor, utility: torch.Tensor, floor: torch.Tensor, cap: torch.Tensor
+) -> torch.Tensor:
     """[B, H] integers: floor + a share of the rest ∝ utility, each ≤ cap, Σ_h = total [B]."""
     b, h = utility.shape
     total = total.long()
@@ -167,9 +169,16 @@ class EntropyHeadSplit:
     ema: float = 0.5
     prefer: Literal["focused", "diffuse"] = "focused"
 
-    def split(self, layer_total: torch.Tensor, obs: Observation, scores: torch.Tensor, n_valid: torch.Tensor,
-              keys: torch.Tensor | None = None, min_tokens: int = 0,
-              rows: torch.Tensor | None = None) -> torch.Tensor:
+    def split(
+        self,
+        layer_total: torch.Tensor,
+        obs: Observation,
+        scores: torch.Tensor,
+        n_valid: torch.Tensor,
+        keys: torch.Tensor | None = None,
+        min_tokens: int = 0,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if keys is None:
             raise ValueError("EntropyHeadSplit needs the layer's keys to measure attention entropy")
         if self.prefer not in ("focused", "diffuse"):

@@ -21,8 +21,12 @@ class ReplayInput:
     prompt_len: int  # tokens before the trace starts
 
 
-def load_traces(path: str | Path, limit: int | None = None, variant: str | None = "well_posed",
-                ids: list[str] | None = None) -> list[dict]:
+def load_traces(
+    path: str | Path,
+    limit: int | None = None,
+    variant: str | None = "well_posed",
+    ids: list[str] | None = None,
+) -> list[dict]:
     """Rows of a trace jsonl (each needs `id`, `problem`, `trace`), in file order.
 
     variant: keep only rows whose `variant` field equals it (None = all rows).

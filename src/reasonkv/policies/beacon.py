@@ -162,8 +162,9 @@ class BeaconKVScorer:
         # Each leaving query gives G points per KV head, in order (query, then group head).
         points = pre.reshape(b, h, g, n_out, d).transpose(2, 3).reshape(b, h, n_out * g, d)
         valid = (index >= 0)[:, None, :, None].expand(b, h, n_out, g).reshape(b, h, -1)
-        ex["beacons"], ex["beacon_count"] = add_points(ex["beacons"], ex["beacon_count"], points, valid,
-                                                       self.beacon_min)
+        ex["beacons"], ex["beacon_count"] = add_points(
+            ex["beacons"], ex["beacon_count"], points, valid, self.beacon_min
+        )
 
     # ------------------------------------------------------------------ scoring
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

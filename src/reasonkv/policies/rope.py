@@ -42,7 +42,10 @@ def unapply_rope(
 
 
 def rerotate(
-    x: torch.Tensor, from_positions: torch.Tensor, to_positions: torch.Tensor, inv_freq: torch.Tensor,
+    x: torch.Tensor,
+    from_positions: torch.Tensor,
+    to_positions: torch.Tensor,
+    inv_freq: torch.Tensor,
     scaling: float = 1.0,
 ) -> torch.Tensor:
     """Move post-RoPE vectors from one position to another (what a query would be at `to`)."""

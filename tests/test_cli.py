@@ -1,0 +1,350 @@
+"""The `reasonkv` command line and the demo, on a tiny random Llama (no real model load)."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+from rich.console import Console
+from transformers import LlamaConfig, LlamaForCausalLM
+from typer.testing import CliRunner
+
+import reasonkv
+from reasonkv import cli, demo
+from reasonkv.policies import StreamingScorer
+from reasonkv.registry import METHODS, MethodSpec
+from reasonkv.schedules import MaxMinThreshold
+
+runner = CliRunner()
+WIDE = {"COLUMNS": "250"}
+
+
+class CharTokenizer:
+    """Just enough of a tokenizer for reasonkv.generate: one token per character, left padding."""
+
+    pad_token_id = 0
+    pad_token = "<pad>"
+    eos_token_id = None
+    chat_template = None
+    padding_side = "left"
+
+    def encode_one(self, text: str) -> list[int]:
+        return [3 + ord(c) % 120 for c in text]
+
+    def __call__(self, texts, return_tensors=None, padding=False, add_special_tokens=True):
+        if isinstance(texts, str):
+            return {"input_ids": self.encode_one(texts)}
+        ids = [self.encode_one(t) for t in texts]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[0] * (width - len(r)) + r for r in ids])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
+        return {"input_ids": input_ids, "attention_mask": mask}
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        keep = lambda i: not (skip_special_tokens and i == 0)
+        return [" ".join(f"t{i}" for i in map(int, row) if keep(i)) for row in rows]
+
+
+def tiny_llama(attn: str = "sdpa") -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
+    )
+    cfg._attn_implementation = attn
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture
+def fake_loader(monkeypatch):
+    """Replace the CLI's and the demo's model loader; records how it was called."""
+    calls: list[dict] = []
+
+    def load(name, attn_implementation="sdpa", **kwargs):
+        calls.append({"name": name, "attn_implementation": attn_implementation, **kwargs})
+        return tiny_llama(attn_implementation), CharTokenizer()
+
+    monkeypatch.setattr(cli, "load_model", load)
+    monkeypatch.setattr(demo, "load_model", load)
+    return calls
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Errors must be caught before the slow model load."""
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded although the arguments were invalid")
+
+    monkeypatch.setattr(cli, "load_model", load)
+    monkeypatch.setattr(demo, "load_model", load)
+
+
+def errors_of(result) -> str:
+    return result.stderr if result.stderr else result.output
+
+
+# ---------------------------------------------------------------- methods
+def test_methods_lists_every_registered_method():
+    result = runner.invoke(cli.app, ["methods"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    for name in METHODS:
+        assert name in result.output
+    assert "buffer(every 128)" in result.output  # snapkv's schedule with its default interval
+
+
+def test_methods_picks_up_a_method_registered_later(monkeypatch):
+    spec = MethodSpec(
+        "beacon-test-only", "a method added after the CLI was written", "-", StreamingScorer, MaxMinThreshold
+    )
+    monkeypatch.setitem(METHODS, spec.name, spec)
+    result = runner.invoke(cli.app, ["methods"], env=WIDE)
+    assert result.exit_code == 0
+    assert "beacon-test-only" in result.output
+    assert "fraction=0.125" in result.output
+
+
+# ------------------------------------------------------------- knob parsing
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("16", 16),
+        ("-3", -3),
+        ("0.25", 0.25),
+        ("1e-3", 1e-3),
+        ("true", True),
+        ("False", False),
+        ("none", None),
+        ("avg", "avg"),
+        ("max_logit", "max_logit"),
+    ],
+)
+def test_set_values_are_auto_typed(text, value):
+    parsed = cli.parse_value(text)
+    assert parsed == value and type(parsed) is type(value)
+
+
+def test_set_items_become_a_dict_later_items_win():
+    assert cli.parse_sets(["window=16", "pooling=avg", "window=4", "note=a=b"]) == {
+        "window": 4,
+        "pooling": "avg",
+        "note": "a=b",
+    }
+    assert cli.parse_sets(None) == {}
+
+
+@pytest.mark.parametrize("item", ["window", "=3", ""])
+def test_set_without_key_value_is_refused(item):
+    with pytest.raises(cli.CliError, match="key=value"):
+        cli.parse_sets([item])
+
+
+def test_knobs_are_checked_against_the_defaults_types():
+    snapkv = METHODS["snapkv"]
+    assert cli.check_knobs(snapkv, {"window": 4, "pooling": "avg", "protect_prompt": True}) == {
+        "window": 4,
+        "pooling": "avg",
+        "protect_prompt": True,
+    }
+    with pytest.raises(cli.CliError, match="'window' of 'snapkv' expects an integer"):
+        cli.check_knobs(snapkv, {"window": 2.5})
+    with pytest.raises(cli.CliError, match="expects true or false"):
+        cli.check_knobs(snapkv, {"protect_prompt": 1})
+    with pytest.raises(cli.CliError, match="expects one of max, avg, none"):
+        cli.check_knobs(snapkv, {"pooling": "median"})
+    with pytest.raises(cli.CliError, match=r"unknown parameter\(s\) nope"):
+        cli.check_knobs(snapkv, {"nope": 1})
+    threshold = MethodSpec("t", "", "", StreamingScorer, MaxMinThreshold)
+    fraction = cli.check_knobs(threshold, {"fraction": 1})["fraction"]
+    assert fraction == 1.0 and isinstance(fraction, float)
+
+
+# ----------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--method", "nope"], "unknown method 'nope'"),
+        (["--set", "nope=1"], "unknown parameter(s) nope"),
+        (["--set", "window"], "--set takes key=value"),
+        (["--set", "kernel=wide"], "'kernel' of 'snapkv' expects an integer"),
+        (["--budget", "0"], "budget must be a positive number"),
+        (["--attn", "flash"], "--attn must be sdpa or eager"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_clean_line(no_loading, args, message):
+    result = runner.invoke(cli.app, ["generate", *args, "What is 17*23?"], env=WIDE)
+    assert result.exit_code == 2
+    err = errors_of(result)
+    assert message in err
+    assert "Traceback" not in result.output and len(err.strip().splitlines()) == 1
+
+
+def test_missing_model_exits_2_and_says_what_it_looked_for():
+    result = runner.invoke(cli.app, ["generate", "--model", "no-such-model", "hi"], env=WIDE)
+    assert result.exit_code == 2
+    assert "'no-such-model' is neither a bundled name" in errors_of(result)
+
+
+def test_budget_below_protected_window_is_a_clean_error(fake_loader):
+    # Only make_cache (after loading) knows the protected window: snapkv protects 8 recent tokens.
+    result = runner.invoke(cli.app, ["generate", "--budget", "4", "hi"], env=WIDE)
+    assert result.exit_code == 2
+    assert "below the protected window" in errors_of(result)
+
+
+# --------------------------------------------------------------- generate
+def test_generate_passes_method_budget_and_knobs_to_the_cache(fake_loader, monkeypatch):
+    made = []
+
+    def spy_make_cache(model, method, budget, **knobs):
+        cache = reasonkv.make_cache(model, method, budget, **knobs)
+        made.append((method, budget, knobs, cache))
+        return cache
+
+    monkeypatch.setattr(cli, "make_cache", spy_make_cache)
+    prompt = "a prompt of some forty characters, or so"
+    args = [
+        "generate",
+        "--method",
+        "snapkv",
+        "--budget",
+        "16",
+        "--max-new-tokens",
+        "30",
+        "--set",
+        "window=4",
+        "--set",
+        "interval=8",
+        "--attn",
+        "eager",
+        prompt,
+    ]
+    result = runner.invoke(cli.app, args, env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert fake_loader[0]["attn_implementation"] == "eager"
+    method, budget, knobs, cache = made[0]
+    assert (method, budget, knobs) == ("snapkv", 16, {"window": 4, "interval": 8})
+    assert cache.policy.scorer.window == 4 and cache.policy.schedule.interval == 8
+    # 40 prompt + 29 fed tokens = 69 seen: compressions at 24, 32, ... so heads stay under 16 + 8.
+    mem = cache.memory()
+    assert mem["seen_tokens"] == len(prompt) + 30 - 1
+    assert int(mem["live_tokens"].max()) < 16 + 8
+    assert len(cache.events) > 0
+
+    # The printed text is exactly what the library produces with the same settings.
+    model = tiny_llama("eager")
+    same = reasonkv.make_cache(model, "snapkv", 16, window=4, interval=8)
+    texts, _ = reasonkv.generate(
+        model, CharTokenizer(), prompt, cache=same, max_new_tokens=30, do_sample=False
+    )
+    lines = result.stdout.splitlines()
+    assert lines[0] == texts[0]
+    assert "30 new tokens" in result.stdout
+    assert f"seen {mem['seen_tokens']}" in result.stdout
+
+
+def test_generate_with_the_full_cache_never_compresses(fake_loader):
+    result = runner.invoke(cli.app, ["generate", "--method", "full", "-n", "12", "hello there"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert "budget=-" in result.stdout and "compressions/layer 0" in result.stdout
+
+
+def test_sampling_is_reproducible_with_a_seed(fake_loader):
+    args = [
+        "generate",
+        "--method",
+        "streaming",
+        "--budget",
+        "12",
+        "-n",
+        "20",
+        "--sample",
+        "--temperature",
+        "1.5",
+        "--seed",
+        "7",
+        "hello sampling",
+    ]
+    first = runner.invoke(cli.app, args, env=WIDE)
+    second = runner.invoke(cli.app, args, env=WIDE)
+    assert first.exit_code == 0 and second.exit_code == 0, first.output
+    assert first.stdout.splitlines()[0] == second.stdout.splitlines()[0]
+
+
+# ------------------------------------------------------------------- demo
+def test_first_divergence():
+    assert demo.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert demo.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert demo.first_divergence([1, 2, 3], [1, 2]) == 2
+    assert demo.first_divergence([], [4]) == 0
+
+
+def test_demo_on_a_tiny_model_shrinks_the_cache(fake_loader):
+    out = io.StringIO()
+    runs = demo.run_demo(model="tiny", budget=16, max_new_tokens=40, console=Console(file=out, width=120))
+    assert [r.method for r in runs] == ["full", "snapkv", "streaming"]
+    full, snapkv, streaming = runs
+    assert all(r.n_tokens == 40 for r in runs)
+    assert full.memory["compressions"] == 0
+    # streaming compresses after every step back to the budget: exactly 16 live tokens per head.
+    assert streaming.memory["live_mean"] == 16.0
+    assert snapkv.memory["compressions"] > 0 and snapkv.memory["live_mean"] <= 16 + 128
+    assert streaming.memory["kv_bytes"] < full.memory["kv_bytes"]
+    text = out.getvalue()
+    for name in ("full", "snapkv", "streaming", "reference", "evictions"):
+        assert name in text
+
+
+def test_demo_with_a_budget_above_the_sequence_is_identical_to_full(fake_loader):
+    out = io.StringIO()
+    runs = demo.run_demo(
+        model="tiny",
+        budget=4096,
+        max_new_tokens=12,
+        methods=("snapkv",),
+        console=Console(file=out, width=120),
+    )
+    assert runs[1].tokens == runs[0].tokens
+    assert "identical" in out.getvalue()
+
+
+def test_demo_refuses_an_unknown_method_before_loading(no_loading):
+    with pytest.raises(ValueError, match="unknown method"):
+        demo.run_demo(methods=("nope",))
+
+
+def test_thread_count_defaults_to_at_most_four_and_obeys_the_environment(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("REASONKV_THREADS", raising=False)
+        assert demo.set_threads() == min(4, os.cpu_count() or 1) == torch.get_num_threads()
+        monkeypatch.setenv("REASONKV_THREADS", "1")
+        assert demo.set_threads() == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_methods_markdown_has_one_row_per_method():
+    result = runner.invoke(cli.app, ["methods", "--markdown"])
+    assert result.exit_code == 0
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == list(METHODS)
+
+
+def test_demo_command_runs_and_reports_errors_cleanly(fake_loader):
+    result = runner.invoke(cli.app, ["demo", "--model", "tiny", "--budget", "16", "-n", "20"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert fake_loader[0]["name"] == "tiny"
+    assert "streaming" in result.stdout and "diverges" in result.stdout
+    bad = runner.invoke(cli.app, ["demo", "--budget", "0"], env=WIDE)
+    assert bad.exit_code == 2 and "budget must be a positive number" in errors_of(bad)
+    assert len(fake_loader) == 1  # the bad budget never reached the loader
