@@ -8,8 +8,11 @@ sweep, bench, analyze, plot) are added to `app` the same way, one function each.
 from __future__ import annotations
 
 import dataclasses
+import json
+import shlex
 import time
 import typing
+from pathlib import Path
 from typing import Annotated
 
 import torch
@@ -23,6 +26,7 @@ from reasonkv.api import make_cache
 from reasonkv.demo import format_bytes, memory_summary, quiet_loading, run_demo, set_threads
 from reasonkv.models import DEFAULT_MODEL, load_model
 from reasonkv.registry import METHODS, PROTECTION_KNOBS, MethodSpec, get_method
+from reasonkv.runs import load_run, plot_head_budgets, run_record, save_run
 
 app = typer.Typer(
     name="reasonkv",
@@ -204,6 +208,9 @@ def generate_command(
     sets: Annotated[
         list[str] | None, typer.Option("--set", "-s", help="Method parameter key=value (repeatable).")
     ] = None,
+    record: Annotated[
+        Path | None, typer.Option("--record", help="Save the run (compression events) as JSON here.")
+    ] = None,
 ) -> None:
     """Generate a reply with a compressed KV cache and report what the cache holds."""
     try:
@@ -243,6 +250,10 @@ def generate_command(
         f"seen {mem['seen_tokens']} | compressions/layer {mem['compressions']:g}[/dim]",
         soft_wrap=True,
     )
+    if record is not None:
+        meta = {"model": model_name, "budget": budget, "knobs": knobs, "prompt": prompt, "new_tokens": n_new}
+        save_run(run_record(cache, **meta), record)
+        console.print(f"[dim]run saved to {record} (plot it: reasonkv plot budgets {record})[/dim]")
 
 
 @app.command("demo")
@@ -257,6 +268,166 @@ def demo_command(
         run_demo(model=model_name, budget=budget, **kwargs)
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
+
+
+# ---------------------------------------------------------------- profile
+def _generated_traces(model, tokenizer, problems: list[dict], max_tokens: int, progress) -> list[dict]:
+    """Let the model write its own traces (full cache, greedy) for problem rows."""
+    from reasonkv.api import generate as gen
+
+    rows = []
+    task = progress.add_task("generating traces", total=len(problems))
+    for row in problems:
+        texts, _ = gen(
+            model,
+            tokenizer,
+            row["problem"],
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+        rows.append({"id": str(row.get("id", len(rows))), "problem": row["problem"], "trace": texts[0]})
+        progress.advance(task)
+    return rows
+
+
+@app.command("profile")
+def profile_command(
+    traces: Annotated[
+        Path, typer.Option("--traces", help="jsonl with id, problem, trace (or problems with --generate).")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Where to write the profile JSON.")],
+    model_name: Annotated[str, typer.Option("--model", help=MODEL_HELP)] = DEFAULT_MODEL,
+    limit: Annotated[int | None, typer.Option("--limit", help="Use the first N traces.")] = None,
+    variant: Annotated[
+        str, typer.Option("--variant", help="Keep rows of this `variant` ('all' = every row).")
+    ] = "well_posed",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Truncate prompt + trace to this.")] = 2048,
+    stride: Annotated[int, typer.Option(help="Profile every N-th trace position.")] = 16,
+    chunk: Annotated[int, typer.Option(help="Tokens per forward while replaying.")] = 64,
+    topk: Annotated[int, typer.Option(help="k of the top-k attention mass signal.")] = 64,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Also draw the Reasoning Wave here (PNG).")
+    ] = None,
+    generate: Annotated[
+        bool, typer.Option("--generate", help="--traces holds problems: the model writes the traces first.")
+    ] = False,
+) -> None:
+    """Profile the Reasoning Wave: per-layer attention entropy while replaying reasoning traces."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from reasonkv.eval.traces import load_traces
+    from reasonkv.profile import plot_wave, profile_traces, save_profile
+
+    try:
+        if generate:
+            problems = [json.loads(line) for line in traces.read_text().splitlines() if line.strip()]
+            problems = problems[:limit] if limit is not None else problems
+            if not problems or any("problem" not in p for p in problems):
+                raise CliError(f"{traces}: --generate needs rows with a `problem` field")
+        else:
+            rows = load_traces(traces, limit=limit, variant=None if variant == "all" else variant)
+            if not rows:
+                raise CliError(f"{traces}: no traces of variant {variant!r}")
+        if max_tokens <= 0 or stride <= 0 or chunk <= 0:
+            raise CliError("--max-tokens, --stride and --chunk must be positive")
+        set_threads()
+        with err_console.status(f"loading {model_name}…"), quiet_loading():
+            model, tokenizer = load_model(model_name)
+    except (CliError, ValueError, FileNotFoundError) as err:
+        fail(str(err))
+    # The command that reproduces this profile, from the parsed options (not sys.argv, which
+    # is not ours when the app is invoked from Python).
+    parts = [
+        "--traces",
+        traces,
+        "--out",
+        out,
+        "--model",
+        model_name,
+        "--variant",
+        variant,
+        "--max-tokens",
+        max_tokens,
+        "--stride",
+        stride,
+        "--chunk",
+        chunk,
+        "--topk",
+        topk,
+    ]
+    parts += ["--limit", limit] if limit is not None else []
+    parts += ["--plot", plot] if plot is not None else []
+    parts += ["--generate"] if generate else []
+    command = "reasonkv profile " + " ".join(shlex.quote(str(a)) for a in parts)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err_console) as progress:
+        if generate:
+            rows = _generated_traces(model, tokenizer, problems, max_tokens, progress)
+        task = progress.add_task("profiling traces", total=len(rows))
+        profile = profile_traces(
+            model,
+            tokenizer,
+            rows,
+            max_tokens=max_tokens,
+            chunk=chunk,
+            stride=stride,
+            topk=topk,
+            command=command,
+            progress=lambda done, total, _id: progress.update(task, completed=done),
+        )
+    save_profile(profile, out)
+    console.print(
+        f"profile of {profile['model']} from {len(rows)} traces ({profile['tokens_seen']} tokens) -> {out}"
+    )
+    console.print("demand per layer: " + " ".join(f"{d:.3f}" for d in profile["demand"]), soft_wrap=True)
+    if plot is not None:
+        console.print(f"Reasoning Wave plot -> {plot_wave(profile, plot)}")
+
+
+# ------------------------------------------------------------------- plot
+plot_app = typer.Typer(help="Draw figures from saved runs and profiles.", no_args_is_help=True)
+app.add_typer(plot_app, name="plot")
+
+
+def _parse_layers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"--layers takes comma-separated layer numbers, got {text!r}")
+
+
+@plot_app.command("budgets")
+def plot_budgets_command(
+    run: Annotated[Path, typer.Argument(help="A run saved by `reasonkv generate --record`.")],
+    out: Annotated[Path, typer.Option("--out", help="PNG to write.")] = Path("budgets.png"),
+    layers: Annotated[str | None, typer.Option("--layers", help="e.g. 0,5,29 (default: all).")] = None,
+) -> None:
+    """Heatmap of per-head budgets over decoding steps, one panel per layer."""
+    try:
+        path = plot_head_budgets(load_run(run), out, _parse_layers(layers))
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+    console.print(f"head budgets -> {path}")
+
+
+@plot_app.command("wave")
+def plot_wave_command(
+    profile: Annotated[Path, typer.Argument(help="A profile JSON from `reasonkv profile`.")],
+    out: Annotated[Path, typer.Option("--out", help="PNG to write.")] = Path("wave.png"),
+) -> None:
+    """The Reasoning Wave of a profile: per-layer demand with its spread across traces."""
+    from reasonkv.profile import load_profile, plot_wave
+
+    try:
+        path = plot_wave(load_profile(profile), out)
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        fail(str(err))
+    console.print(f"Reasoning Wave -> {path}")
 
 
 def main() -> None:  # pragma: no cover - `python -m reasonkv.cli`
