@@ -430,6 +430,13 @@ def plot_wave_command(
     console.print(f"Reasoning Wave -> {path}")
 
 
+# ------------------------------------------------------- evaluation commands
+# Each lives beside its harness; registered here so `reasonkv --help` lists them all.
+from reasonkv.eval.accuracy_cli import eval_command  # noqa: E402
+
+app.command("eval")(eval_command)
+
+
 def main() -> None:  # pragma: no cover - `python -m reasonkv.cli`
     app()
 
