@@ -44,3 +44,20 @@ def test_default_model_full_matches_dynamic_cache_and_snapkv_saves_memory(smollm
     assert int(snap.memory()["live_tokens"].max()) <= snap.live_token_bound()
     assert snap.memory()["kv_bytes"] < full.memory()["kv_bytes"]
     assert snap.get_seq_length() == full.get_seq_length()
+
+
+def test_packaged_reasoning_wave_profile_drives_reasonalloc(smollm2) -> None:
+    model, tokenizer = smollm2
+    from reasonkv.profile import find_profile, load_profile
+
+    path = find_profile(model.config)
+    assert path is not None and path.name == "smollm2-135m.json", "the default model's profile must ship"
+    demand = load_profile(path, model.config)["demand"]
+    cache = reasonkv.make_cache(model, "reasonalloc-rkv", 32, interval=16)
+    per_layer = cache.budgets[:, 0]
+    assert int(cache.budgets.sum()) == 30 * 3 * 32
+    assert int(per_layer.argmax()) == max(range(30), key=lambda i: demand[i])  # the wave's peak gets the most
+    _, tokens = reasonkv.generate(model, tokenizer, PROMPT, cache=cache, **GREEDY)
+    assert tokens.shape == (1, NEW) and cache.events
+    for event in cache.events:  # each compression keeps exactly the layer's total
+        assert int(event.lengths.sum()) == int(cache.budgets[event.layer].sum())
