@@ -433,7 +433,9 @@ def plot_wave_command(
 # ------------------------------------------------------- evaluation commands
 # Each lives beside its harness; registered here so `reasonkv --help` lists them all.
 from reasonkv.eval.accuracy_cli import eval_command  # noqa: E402
+from reasonkv.eval.replay_cli import replay_command  # noqa: E402
 
+app.command("replay")(replay_command)
 app.command("eval")(eval_command)
 
 
