@@ -65,7 +65,7 @@ def plot_head_budgets(record: dict, path: str | Path, layers: list[int] | None =
     missing = sorted(set(layers) - set(all_layers))
     if missing:
         raise ValueError(f"no compression events for layer(s) {missing}; layers with events: {all_layers}")
-    fig, axes = plt.subplots(len(layers), 1, figsize=(8, 1.2 + 1.1 * len(layers)), squeeze=False)
+    fig, axes = plt.subplots(len(layers), 1, figsize=(8, 1.2 + 1.1 * len(layers)), squeeze=False, sharex=True)
     vmax = max(max(e["lengths"]) for e in events)
     for ax, layer in zip(axes[:, 0], layers, strict=True):
         mine = [e for e in events if e["layer"] == layer]
