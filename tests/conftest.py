@@ -147,3 +147,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_slow)
         if item.get_closest_marker("model") is not None and not have_model:
             item.add_marker(skip_model)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Every test starts on one thread: tiny matmuls are much faster that way on busy cores,
+    and a test that raises the count (the CLI's set_threads) cannot slow the ones after it."""
+    torch.set_num_threads(1)
+    yield

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
+from method_helpers import greedy, padded_prompts, tiny_model
 from reasonkv import make_cache
 from reasonkv.models import attention_modules
 from reasonkv.policies import EMPTY, H2OScorer, Observation, protected_mask, select_tokens
@@ -18,57 +19,7 @@ from reasonkv.policies import h2o as h2o_module
 from reasonkv.schedules import EveryStep
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is much faster than several fighting for busy cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ----------------------------------------------------------------------------- helpers
-def tiny_model(attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-    )
-    cfg._attn_implementation = attn
-    return LlamaForCausalLM(cfg).eval()
-
-
-def greedy(model, ids, mask, cache, n: int):
-    return model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        cache=cache,
-        max_new_tokens=n,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=None,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-
-
-def padded_prompts(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Two prompts of 14 and 10 tokens, left-padded to 14."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 128, (2, 14), generator=g)
-    pads = [0, 4]
-    mask = torch.ones_like(ids)
-    for r, p in enumerate(pads):
-        ids[r, :p] = 0
-        mask[r, :p] = 0
-    return ids, mask, pads
-
-
 def fake_layer(previous: Observation, acc: torch.Tensor, t: int, budgets: list[int]) -> SimpleNamespace:
     """The parts of a CompressedLayer that H2OScorer.on_step sees: the state, and the previous
     query window (which on_step must neither use nor modify)."""

@@ -7,68 +7,18 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
+from method_helpers import greedy, padded_prompts, tiny_model
 from reasonkv import make_cache
 from reasonkv.policies import EMPTY, Observation, RPCScorer, protected_mask, select_tokens
 from reasonkv.schedules import PeriodicRatio
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is much faster than several fighting for busy cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 P, R, C = 16, 4, 4  # small paper hyper-parameters: every 16 tokens keep 16/4 = 4, 4 selectors
 RPC_KNOBS = dict(budget=P // C, ratio=C, window=R, n_recent=R)
 
 
 # ----------------------------------------------------------------------------- helpers
-def tiny_model(attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-    )
-    cfg._attn_implementation = attn
-    return LlamaForCausalLM(cfg).eval()
-
-
-def greedy(model, ids, mask, cache, n: int):
-    return model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        cache=cache,
-        max_new_tokens=n,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=None,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-
-
-def padded_prompts(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Two prompts of 14 and 10 tokens, left-padded to 14."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 128, (2, 14), generator=g)
-    pads = [0, 4]
-    mask = torch.ones_like(ids)
-    for r, p in enumerate(pads):
-        ids[r, :p] = 0
-        mask[r, :p] = 0
-    return ids, mask, pads
-
-
 def expected_generated(steps: int, period: int, per_period: int, recent: int) -> list[int]:
     """Generated tokens held after each decode step under the paper's rule, one step at a time."""
     held, done, out = 0, 0, []

@@ -1,0 +1,49 @@
+"""Helpers shared by the per-method test files (h2o, rkv, rpc): a default-init tiny Llama
+(its attention is flatter than conftest's wide-init models, which these tests were tuned on),
+a greedy generate that keeps the scores, and two left-padded prompts."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_model(attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    cfg._attn_implementation = attn
+    return LlamaForCausalLM(cfg).eval()
+
+
+def greedy(model, ids, mask, cache, n: int):
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        cache=cache,
+        max_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+
+
+def padded_prompts(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Two prompts of 14 and 10 tokens, left-padded to 14."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 128, (2, 14), generator=g)
+    pads = [0, 4]
+    mask = torch.ones_like(ids)
+    for r, p in enumerate(pads):
+        ids[r, :p] = 0
+        mask[r, :p] = 0
+    return ids, mask, pads
