@@ -218,68 +218,46 @@ register(
     )
 )
 
-# --- ReasonAlloc (issue 4): profiled layer budgets x entropy head split, on any scorer ---
+# --- ReasonAlloc (issue 4): profiled layer budgets x entropy head split, on top of any policy ---
 _REASONALLOC = "ReasonAlloc, arXiv:2606.11164"
 _REASONALLOC_WHAT = (
     "layer budgets follow the profiled Reasoning Wave (demand^(1/tau), exact total); at each "
     "compression heads split the layer budget by 1 - normalised entropy (EMA, floor)"
 )
-register(
-    MethodSpec(
-        "reasonalloc-rkv",
-        f"R-KV scores; {_REASONALLOC_WHAT}; compress every 128 steps",
-        _REASONALLOC,
-        RKVScorer,
-        FixedBuffer,
+
+
+def with_reasonalloc(
+    base: str, name: str, description: str, layers: bool = True, heads: bool = True
+) -> MethodSpec:
+    """`base`'s scorer, schedule and protection under ReasonAlloc's budgets (either level can be
+    switched off for the ablations)."""
+    spec = get_method(base)
+    return dataclasses.replace(
+        spec,
+        name=name,
+        description=description,
+        paper=_REASONALLOC,
         allocator=ReasonAllocAllocator,
-        head_allocator=EntropyHeadSplit,
-        defaults={"n_sink": 0, "n_recent": 8},
+        head_allocator=EntropyHeadSplit if heads else None,
+        defaults={**spec.defaults, **({} if layers else {"layer_level": False})},
     )
-)
+
+
+for _base, _label in (("rkv", "R-KV"), ("snapkv", "SnapKV"), ("beaconkv", "BeaconKV")):
+    register(with_reasonalloc(_base, f"reasonalloc-{_base}", f"{_label} scores; {_REASONALLOC_WHAT}"))
 register(
-    MethodSpec(
-        "reasonalloc-snapkv",
-        f"SnapKV scores; {_REASONALLOC_WHAT}; compress every 128 steps",
-        _REASONALLOC,
-        SnapKVScorer,
-        FixedBuffer,
-        allocator=ReasonAllocAllocator,
-        head_allocator=EntropyHeadSplit,
-        defaults={"n_sink": 0, "n_recent": 8},
-    )
-)
-register(
-    MethodSpec(
-        "reasonalloc-beaconkv",
-        f"BeaconKV scores; {_REASONALLOC_WHAT}; max/min threshold",
-        _REASONALLOC,
-        BeaconKVScorer,
-        MaxMinThreshold,
-        allocator=ReasonAllocAllocator,
-        head_allocator=EntropyHeadSplit,
-        defaults={"n_sink": 4, "n_recent": 16},
-    )
-)
-register(
-    MethodSpec(
+    with_reasonalloc(
+        "rkv",
         "reasonalloc-layer-rkv",
         "ablation: R-KV with ReasonAlloc's profiled layer budgets only (heads uniform)",
-        _REASONALLOC,
-        RKVScorer,
-        FixedBuffer,
-        allocator=ReasonAllocAllocator,
-        defaults={"n_sink": 0, "n_recent": 8},
+        heads=False,
     )
 )
 register(
-    MethodSpec(
+    with_reasonalloc(
+        "rkv",
         "reasonalloc-head-rkv",
         "ablation: R-KV with ReasonAlloc's online head split only (layers uniform)",
-        _REASONALLOC,
-        RKVScorer,
-        FixedBuffer,
-        allocator=ReasonAllocAllocator,
-        head_allocator=EntropyHeadSplit,
-        defaults={"n_sink": 0, "n_recent": 8, "layer_level": False},
+        layers=False,
     )
 )
