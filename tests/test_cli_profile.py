@@ -79,3 +79,21 @@ def test_generate_record_then_plot_budgets(tmp_path, fake_loader) -> None:  # no
     assert png.stat().st_size > 5000
     bad = runner.invoke(cli.app, ["plot", "budgets", str(run), "--out", str(png), "--layers", "7"])
     assert bad.exit_code == 2 and "no compression events for layer(s) [7]" in bad.output
+
+
+def test_generate_takes_a_profile_file_for_reasonalloc(tmp_path, fake_loader) -> None:  # noqa: F811
+    from reasonkv.profile import save_profile
+    from test_cli import tiny_llama
+
+    model = tiny_llama()
+    profile = tmp_path / "wave.json"
+    save_profile({"model": "tiny", "config_hash": config_hash(model.config), "demand": [3.0, 1.0]}, profile)
+    run = tmp_path / "run.json"
+    args = ["generate", "-m", "reasonalloc-layer-rkv", "-b", "16", "--set", "interval=8", "-n", "30"]
+    result = runner.invoke(cli.app, [*args, "--profile", str(profile), "--record", str(run), "hi"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert json.loads(run.read_text())["budgets"] == [[24, 24], [8, 8]]  # 3:1 of 2 x 16, per head
+    wrong = runner.invoke(cli.app, ["generate", "-m", "snapkv", "--profile", str(profile), "hi"])
+    assert wrong.exit_code == 2 and "--profile is for profile-driven methods" in wrong.output
+    missing = runner.invoke(cli.app, ["generate", "-m", "reasonalloc-rkv", "--profile", "nope.json", "hi"])
+    assert missing.exit_code == 2 and "no profile at nope.json" in missing.output

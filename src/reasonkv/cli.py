@@ -211,11 +211,20 @@ def generate_command(
     record: Annotated[
         Path | None, typer.Option("--record", help="Save the run (compression events) as JSON here.")
     ] = None,
+    profile: Annotated[
+        Path | None, typer.Option("--profile", help="Reasoning Wave profile for reasonalloc-* methods.")
+    ] = None,
 ) -> None:
     """Generate a reply with a compressed KV cache and report what the cache holds."""
     try:
         spec = get_method(method)
         knobs = check_knobs(spec, parse_sets(sets))
+        if profile is not None:
+            if "profile" not in spec.knobs():
+                raise CliError(f"--profile is for profile-driven methods (reasonalloc-*), not {method!r}")
+            if not profile.exists():
+                raise CliError(f"no profile at {profile}")
+            knobs["profile"] = str(profile)
         if spec.compresses and budget <= 0:
             raise CliError(f"budget must be a positive number of tokens per KV head, got {budget}")
         if attn not in ("sdpa", "eager"):
