@@ -443,9 +443,12 @@ def plot_wave_command(
 # Each lives beside its harness; registered here so `reasonkv --help` lists them all.
 from reasonkv.eval.accuracy_cli import eval_command  # noqa: E402
 from reasonkv.eval.replay_cli import replay_command  # noqa: E402
+from reasonkv.eval.sweep_cli import report_command, sweep_command  # noqa: E402
 
 app.command("replay")(replay_command)
 app.command("eval")(eval_command)
+app.command("sweep")(sweep_command)
+app.command("report")(report_command)
 
 
 def main() -> None:  # pragma: no cover - `python -m reasonkv.cli`

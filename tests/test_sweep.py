@@ -1,0 +1,625 @@
+"""`reasonkv sweep` / `reasonkv report`: grid expansion and stable keys, the append-only
+results file (resume after a crash mid-unit or kill -9: nothing lost, nothing repeated,
+same numbers), failing units, sharding over workers (in-process and Ray), the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+
+from reasonkv.eval import replay as replay_mod
+from reasonkv.eval import sweep as sw
+from reasonkv.eval import sweep_cli
+from reasonkv.eval.report import load_records, markdown_table, summarize_results
+from test_cli import CharTokenizer, errors_of, runner, tiny_llama
+
+TESTS = Path(__file__).resolve().parent
+LOADER = "test_sweep:tiny_loader"
+LOADS: list[str] = []
+"""Models tiny_loader loaded in this process."""
+
+
+def tiny_loader(name: str, attn_implementation: str = "sdpa", **kwargs):
+    """The sweep's model loader in these tests: a tiny random Llama and a char tokenizer,
+    importable by Ray workers and subprocesses. 'broken' fails to load. A forward hook
+    slows every forward when REASONKV_TEST_DELAY is set (so a kill lands mid-sweep)."""
+    LOADS.append(name)
+    if name == "broken":
+        raise FileNotFoundError("no model called 'broken'")
+    model = tiny_llama(attn_implementation)
+    delay = float(os.environ.get("REASONKV_TEST_DELAY", "0"))
+    if delay:
+        model.register_forward_pre_hook(lambda *args: time.sleep(delay))
+    return model, CharTokenizer()
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """The sweep sets torch threads per worker: keep this process at conftest's one."""
+    monkeypatch.setenv("REASONKV_THREADS", "1")
+    LOADS.clear()
+    yield
+    torch.set_num_threads(1)
+
+
+TRACES = [
+    ("t1", "What is 2+3?", "Add them: 2+3=5. So five. " * 3),
+    ("t2", "Is 7 prime?", "Check 2 and 3: no divisor, prime. " * 3),
+    ("t3", "Half of 18?", "18/2 = 9, nine it is. " * 3),
+]
+
+
+def write_traces(path: Path, rows=TRACES) -> Path:
+    lines = [json.dumps({"id": i, "variant": "well_posed", "problem": p, "trace": t}) for i, p, t in rows]
+    lines.append(json.dumps({"id": "mp", "variant": "missing_premise", "problem": "x?", "trace": "?" * 40}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def replay_grid(tmp_path: Path, **over) -> dict:
+    write_traces(tmp_path / "traces.jsonl")
+    grid = {
+        "kind": "replay",
+        "models": ["tiny"],
+        "methods": ["full", "snapkv", "streaming"],
+        "budgets": [16, 24],
+        "settings": {"max_tokens": 80, "bin": 32, "loader": LOADER},
+        "knobs": {"interval": 8},
+        "datasets": [{"traces": "traces.jsonl"}],
+    }
+    grid.update(over)
+    return grid
+
+
+def grid_of(tmp_path: Path, **over) -> sw.Grid:
+    return sw.parse_grid(replay_grid(tmp_path, **over), tmp_path)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The default grid run once, uninterrupted (keys do not depend on where the traces lie)."""
+    folder = tmp_path_factory.mktemp("reference")
+    sw.run_sweep(grid_of(folder), folder / "ref.jsonl", threads=1)
+    return folder / "ref.jsonl"
+
+
+def lines_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def metrics_by_key(path: Path) -> dict[str, dict]:
+    return {r["key"]: r["metrics"] for r in lines_of(path) if r["status"] == "ok"}
+
+
+# ------------------------------------------------------------------------ grid
+def test_grid_expands_models_traces_methods_budgets_once_each(tmp_path) -> None:
+    grid = grid_of(tmp_path, models=["tiny", "tiny-b"], budgets=[16, 24, 16])
+    units = sw.expand(grid)
+    # 2 models × 3 well-posed traces × (full once + 2 methods × 2 budgets); budget 16 listed twice.
+    assert len(units) == 2 * 3 * 5 == len({u.key for u in units})
+    first = [(u.config["item"], u.config["method"], u.config["budget"]) for u in units[:5]]
+    assert first == [("t1", "full", None), ("t1", "snapkv", 16), ("t1", "snapkv", 24)] + [
+        ("t1", "streaming", 16),
+        ("t1", "streaming", 24),
+    ]
+    by_method = {u.config["method"]: u.config["knobs"] for u in units}
+    # interval goes to snapkv only; `full` keeps no knobs (nothing to compress).
+    assert by_method == {"full": {}, "snapkv": {"interval": 8}, "streaming": {}}
+    assert all(u.config["max_tokens"] == 80 and u.config["bin"] == 32 for u in units)
+    # One replay pass per (model, trace): 6 tasks of 5 units, grouped by model.
+    tasks = sw.make_tasks(units)
+    assert [len(t.units) for t in tasks] == [5] * 6
+    assert [t.model for t in tasks] == ["tiny"] * 3 + ["tiny-b"] * 3
+    # share_reference = false: every unit is its own task.
+    own = sw.expand(grid_of(tmp_path, settings={"max_tokens": 80, "share_reference": False}))
+    assert len(sw.make_tasks(own)) == len(own) == 15
+
+
+def test_unit_keys_are_stable_and_track_what_changes_the_numbers(tmp_path) -> None:
+    config = {"kind": "replay", "model": "m", "method": "snapkv", "budget": 64, "knobs": {"interval": 32}}
+    # Pinned: a change to the key scheme would silently rerun every existing sweep.
+    assert sw.unit_key(config) == sw.unit_key(dict(reversed(config.items())))
+    assert sw.unit_key(config) == "633127f734cb72f0b641"
+
+    keys = lambda **over: {u.key for u in sw.expand(grid_of(tmp_path, **over))}  # noqa: E731
+    base = keys()
+    assert keys(methods=["streaming", "snapkv", "full"], budgets=[24, 16]) == base  # order is no matter
+    smaller = keys(datasets=[{"traces": "traces.jsonl", "limit": 2}])
+    assert smaller < base and len(smaller) == 10  # selecting fewer items keeps their keys
+    assert keys(knobs={"interval": 4}) & base == {  # only snapkv's units change
+        u.key for u in sw.expand(grid_of(tmp_path)) if u.config["method"] != "snapkv"
+    }
+    assert not keys(settings={"max_tokens": 70, "bin": 32, "loader": LOADER}) & base
+    # An edited trace is a new unit, though its id is the same.
+    edited = [(i, p, t + ("!" if i == "t2" else "")) for i, p, t in TRACES]
+    write_traces(tmp_path / "edited.jsonl", edited)
+    changed = {
+        u.key
+        for u in sw.expand(
+            sw.parse_grid(
+                {**replay_grid(tmp_path), "datasets": [{"traces": "edited.jsonl", "name": "traces"}]},
+                tmp_path,
+            )
+        )
+    }
+    assert len(base - changed) == 5
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"kind": "bench"}, "`kind` must be one of"),
+        ({"budget": [1]}, "unknown grid key"),
+        ({"methods": ["snapkv", "nosuch"]}, "unknown method 'nosuch'"),
+        ({"knobs": {"intervall": 8}}, "unknown knob"),
+        ({"knobs": {"interval": "8"}}, "expects an integer"),
+        ({"knobs": {"h2o": {"window": 2}}}, "not one of the grid's methods"),
+        ({"seeds": [0, 1]}, "replay is deterministic"),
+        ({"budgets": [16, -1]}, "positive"),
+        ({"datasets": [{"trace": "x"}]}, "needs `traces`"),
+        ({"settings": {"max_tokens": 1}}, "at least 2"),
+        ({"settings": {"samples": 2}}, "unknown key(s) samples"),
+    ],
+)
+def test_bad_grids_are_one_clear_error(tmp_path, over, message) -> None:
+    with pytest.raises(sw.GridError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        grid_of(tmp_path, **over)
+
+
+def test_toml_and_yaml_grids_read_alike(tmp_path) -> None:
+    write_traces(tmp_path / "traces.jsonl")
+    (tmp_path / "g.toml").write_text(
+        'kind = "replay"\nmodels = ["tiny"]\nmethods = ["full", "snapkv"]\nbudgets = [16]\n'
+        "[settings]\nmax_tokens = 80\n[knobs]\ninterval = 8\n[knobs.snapkv]\nwindow = 4\n"
+        '[[datasets]]\ntraces = "traces.jsonl"\n'
+    )
+    yaml = pytest.importorskip("yaml")
+    data = {
+        "kind": "replay",
+        "models": ["tiny"],
+        "methods": ["full", "snapkv"],
+        "budgets": [16],
+        "settings": {"max_tokens": 80},
+        "knobs": {"interval": 8, "snapkv": {"window": 4}},
+        "datasets": [{"traces": "traces.jsonl"}],
+    }
+    (tmp_path / "g.yaml").write_text(yaml.safe_dump(data))
+    toml, yml = sw.load_grid(tmp_path / "g.toml"), sw.load_grid(tmp_path / "g.yaml")
+    assert toml.knobs["snapkv"] == {"interval": 8, "window": 4}
+    assert [u.key for u in sw.expand(toml)] == [u.key for u in sw.expand(yml)]
+
+
+def test_example_grid_is_valid() -> None:
+    grid = sw.load_grid(TESTS.parent / "examples" / "sweep-replay.toml")
+    assert grid.kind == "replay" and grid.knobs["rkv"]["interval"] == 32
+    assert grid.datasets[0].settings["max_tokens"] == 256
+
+
+# ---------------------------------------------------------------- run + resume
+def test_sweep_writes_one_line_per_unit_and_a_rerun_does_nothing(tmp_path) -> None:
+    grid, out = grid_of(tmp_path), tmp_path / "res.jsonl"
+    stats = sw.run_sweep(grid, out)
+    assert (stats.total, stats.skipped, stats.ok, stats.failed) == (15, 0, 15, 0)
+    lines = lines_of(out)
+    assert sorted(r["key"] for r in lines) == sorted(u.key for u in sw.expand(grid))
+    r = next(x for x in lines if x["config"]["method"] == "full")
+    assert r["metrics"]["mean_kl"] == 0.0 and r["metrics"]["top1"] == 1.0  # full against itself
+    assert set(r["versions"]) == {"reasonkv", "torch", "transformers", "python"}
+    assert r["versions"]["torch"] == torch.__version__
+    assert "commit" in (r["git"] or {"commit": None})
+    assert {"seconds", "task_seconds", "load_seconds"} <= set(r["timings"])
+    snap = next(x for x in lines if x["config"]["method"] == "snapkv")
+    assert snap["metrics"]["compressions"] > 0 and snap["metrics"]["mean_kl"] > 0
+    assert LOADS == ["tiny"]  # one model load for the whole sweep
+
+    before = out.read_bytes()
+    again = sw.run_sweep(grid, out)
+    assert (again.skipped, again.ok) == (15, 0) and out.read_bytes() == before
+
+
+def test_resume_after_a_crash_mid_unit_loses_and_repeats_nothing(tmp_path, monkeypatch, reference) -> None:
+    grid = grid_of(tmp_path)
+
+    # Crash: the second trace's replay pass dies (Ctrl-C) halfway through, and the process
+    # dies mid-write of a line (kill -9 during os.write leaves a partial tail).
+    out = tmp_path / "res.jsonl"
+    real = replay_mod.replay_methods
+    calls = []
+
+    def crashing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(replay_mod, "replay_methods", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        sw.run_sweep(grid, out)
+    monkeypatch.setattr(replay_mod, "replay_methods", real)
+    done_before = out.read_bytes()
+    assert len(lines_of(out)) == 5  # the first trace's units only
+    with out.open("ab") as f:
+        f.write(b'{"key": "half-written line, no newli')
+
+    stats = sw.run_sweep(grid, out)
+    assert (stats.skipped, stats.ok) == (5, 10)
+    assert out.read_bytes().startswith(done_before)  # finished lines untouched, the tail cut
+    keys = [r["key"] for r in lines_of(out)]
+    assert len(keys) == len(set(keys)) == 15
+    assert metrics_by_key(out) == metrics_by_key(reference)
+
+
+def test_resume_of_a_half_written_trace_runs_only_its_missing_methods(tmp_path, reference) -> None:
+    grid = grid_of(tmp_path)
+    out = tmp_path / "res.jsonl"
+    lines = reference.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:7]))  # trace 1 whole, 2 of trace 2's 5 lines
+    stats = sw.run_sweep(grid, out)
+    assert (stats.skipped, stats.ok) == (7, 8)
+    assert metrics_by_key(out) == metrics_by_key(reference)  # a method's numbers: same without the others
+
+
+def test_kill_9_mid_sweep_then_resume(tmp_path) -> None:
+    """A real kill -9 of a sweep process, then a resume here: every unit exactly once."""
+    grid_path = tmp_path / "g.toml"
+    write_traces(tmp_path / "traces.jsonl")
+    grid_path.write_text(
+        f'kind = "replay"\nmodels = ["tiny"]\nmethods = ["full", "snapkv", "streaming"]\nbudgets = [16, 24]\n'
+        f'[settings]\nmax_tokens = 80\nbin = 32\nloader = "{LOADER}"\n[knobs]\ninterval = 8\n'
+        '[[datasets]]\ntraces = "traces.jsonl"\n'
+    )
+    out = tmp_path / "res.jsonl"
+    code = (
+        "import sys\nfrom reasonkv.eval import sweep as s\ns.run_sweep(s.load_grid(sys.argv[1]), sys.argv[2])"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "REASONKV_TEST_DELAY": "0.01",
+    }
+    proc = subprocess.Popen([sys.executable, "-c", code, str(grid_path), str(out)], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and out.read_bytes().count(b"\n") >= 5:  # the first trace is in
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, "the sweep ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    before = out.read_bytes()
+    written = before.count(b"\n")
+    assert 5 <= written < 15
+    stats = sw.run_sweep(sw.load_grid(grid_path), out)
+    assert stats.skipped == written and stats.ok == 15 - written
+    assert out.read_bytes().startswith(before[: before.rfind(b"\n") + 1])
+    keys = [r["key"] for r in lines_of(out)]
+    assert len(keys) == len(set(keys)) == 15
+    assert {r["status"] for r in lines_of(out)} == {"ok"}
+
+
+def test_a_second_sweep_on_the_same_file_is_refused(tmp_path) -> None:
+    with sw.ResultsLog(tmp_path / "r.jsonl"):
+        with pytest.raises(sw.GridError, match="in use by another sweep"):
+            sw.ResultsLog(tmp_path / "r.jsonl")
+    sw.ResultsLog(tmp_path / "r.jsonl").close()  # released on close
+
+
+# -------------------------------------------------------------------- failures
+def test_failing_units_are_recorded_and_the_rest_finish(tmp_path) -> None:
+    # budget 4 is below snapkv's protected window (8 recent tokens); 'broken' cannot load.
+    grid = grid_of(tmp_path, models=["broken", "tiny"], budgets=[4, 16], methods=["full", "snapkv"])
+    out = tmp_path / "res.jsonl"
+    stats = sw.run_sweep(grid, out)
+    lines = lines_of(out)
+    assert stats.total == len(lines) == 2 * 3 * 3
+    failed = [r for r in lines if r["status"] == "error"]
+    assert stats.failed == len(failed) == 9 + 3  # all of broken's, and snapkv@8 of tiny
+    assert {r["phase"] for r in failed if r["config"]["model"] == "broken"} == {"load"}
+    small = [r for r in failed if r["config"]["model"] == "tiny"]
+    assert {(r["config"]["method"], r["config"]["budget"]) for r in small} == {("snapkv", 4)}
+    assert "below the protected window" in small[0]["error"] and "Traceback" in small[0]["traceback"]
+    ok = [r for r in lines if r["status"] == "ok"]
+    assert {(r["config"]["method"], r["config"]["budget"]) for r in ok} == {("full", None), ("snapkv", 16)}
+
+    # Errors count as done; --retry-errors runs them again (they fail again: new lines).
+    assert sw.run_sweep(grid, out).ok + sw.run_sweep(grid, out).failed == 0
+    again = sw.run_sweep(grid, out, retry_errors=True)
+    assert (again.skipped, again.failed) == (6, 12)
+
+
+def test_a_method_that_breaks_the_shared_pass_fails_alone(tmp_path, monkeypatch, reference) -> None:
+    real = replay_mod.replay_methods
+
+    def streaming_breaks(model, ids, prompt_len, runs, **kwargs):
+        if any(r.method == "streaming" for r in runs):
+            raise RuntimeError("streaming broke mid-trace")
+        return real(model, ids, prompt_len, runs, **kwargs)
+
+    monkeypatch.setattr(replay_mod, "replay_methods", streaming_breaks)
+    out = tmp_path / "res.jsonl"
+    stats = sw.run_sweep(grid_of(tmp_path), out)
+    assert (stats.ok, stats.failed) == (9, 6)
+    failed = {r["config"]["method"] for r in lines_of(out) if r["status"] == "error"}
+    assert failed == {"streaming"}
+    ok = metrics_by_key(out)
+    assert ok == {k: v for k, v in metrics_by_key(reference).items() if k in ok}
+
+
+class FlakyPool(sw.SerialPool):
+    """A pool whose worker dies on the second task (as a Ray actor killed for memory)."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.replaced = []
+
+    def result(self, handle):
+        records = super().result(handle)
+        if handle == 2:
+            raise RuntimeError("worker died")
+        return records
+
+    def replace(self, worker: int) -> None:
+        self.replaced.append(worker)
+        super().replace(worker)
+
+
+def test_a_dead_worker_fails_its_task_only_and_is_replaced(tmp_path) -> None:
+    grid, out = grid_of(tmp_path), tmp_path / "res.jsonl"
+    pool = FlakyPool()
+    stats = sw.run_sweep(grid, out, pool=pool)
+    assert (stats.ok, stats.failed) == (10, 5) and pool.replaced == [1]
+    failed = [r for r in lines_of(out) if r["status"] == "error"]
+    assert {r["phase"] for r in failed} == {"worker"} and "worker died" in failed[0]["error"]
+    assert len({r["config"]["item"] for r in failed}) == 1
+
+
+# -------------------------------------------------------------------- sharding
+def test_two_workers_in_process_give_the_results_of_one(tmp_path) -> None:
+    grid = grid_of(tmp_path, models=["tiny", "tiny-b"], datasets=[{"traces": "traces.jsonl", "limit": 2}])
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    sw.run_sweep(grid, one)
+    LOADS.clear()
+    pool = sw.SerialPool(2)
+    sw.run_sweep(grid, two, pool=pool)
+    assert metrics_by_key(two) == metrics_by_key(one) and len(metrics_by_key(one)) == 20
+    assert sorted(LOADS) == ["tiny", "tiny-b"]  # one model per worker, each loaded once
+    workers = {(r["config"]["model"], r["worker"]["pid"]) for r in lines_of(two)}
+    assert len(workers) == 2
+
+
+def test_dispatch_keeps_workers_on_their_model() -> None:
+    """Tasks of 2 models over 2 workers: each worker takes one model and keeps it."""
+
+    def task(model: str) -> sw.Task:
+        return sw.Task("replay", model, "sdpa", None, [])
+
+    class Recorder:
+        size = 2
+
+        def __init__(self) -> None:
+            self.log, self.n, self.queue = [], 0, {}
+
+        def submit(self, worker, t):
+            self.n += 1
+            self.queue[self.n] = (worker, t)
+            return self.n
+
+        def wait(self, handles):
+            h = min(handles)
+            self.log.append((self.queue[h][0], self.queue[h][1].model))
+            return [h]
+
+        def result(self, handle):
+            return []
+
+        def replace(self, worker):
+            pass
+
+    pool = Recorder()
+    sw.dispatch([task("a"), task("a"), task("a"), task("b"), task("b"), task("b")], pool, lambda t, r: None)
+    assert sorted(pool.log) == [(0, "a")] * 3 + [(1, "b")] * 3
+
+
+@pytest.mark.slow
+def test_ray_two_workers_give_the_results_of_one(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("ray")
+    # Ray's local workers inherit the driver's environment: they can import this module.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    grid = grid_of(tmp_path, models=["tiny", "tiny-b"])
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    sw.run_sweep(grid, one, threads=1)
+    stats = sw.run_sweep(grid, two, workers=2, threads=1)
+    assert (stats.ok, stats.failed) == (30, 0)
+    assert metrics_by_key(two) == metrics_by_key(one)
+    pids = {r["worker"]["pid"] for r in lines_of(two)}
+    assert len(pids) == 2 and os.getpid() not in pids
+
+
+# ------------------------------------------------------------------------ eval
+def test_eval_sweep_units_per_problem_and_seed_repeat_exactly(tmp_path) -> None:
+    rows = [{"id": f"p{i}", "problem": f"what is {i}+{i}?", "answer": str(2 * i)} for i in range(2)]
+    (tmp_path / "probs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = {
+        "kind": "eval",
+        "models": ["tiny"],
+        "methods": ["full", "streaming"],
+        "budgets": [16],
+        "seeds": [0, 1],
+        "settings": {"samples": 2, "max_new_tokens": 6, "loader": LOADER},
+        "datasets": [{"dataset": "probs.jsonl", "name": "probs"}],
+    }
+    grid = sw.parse_grid(data, tmp_path)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    stats = sw.run_sweep(grid, a)
+    assert (stats.total, stats.ok) == (2 * 2 * 2, 8)
+    lines = lines_of(a)
+    assert all(r["metrics"]["lengths"] == [6, 6] and r["metrics"]["truncated"] == [True, True] for r in lines)
+    assert all(r["metrics"]["samples"] == 2 and len(r["metrics"]["outputs"]) == 2 for r in lines)
+    sw.run_sweep(grid, b)
+    outputs = lambda p: {r["key"]: r["metrics"]["outputs"] for r in lines_of(p)}  # noqa: E731
+    assert outputs(a) == outputs(b)  # sampled, yet each unit repeats exactly
+    seeds = {(r["config"]["item"], r["config"]["seed"]): r["metrics"]["sampling_seed"] for r in lines}
+    assert len(set(seeds.values())) == 4  # one sampling seed per (problem, seed)
+
+    sections = summarize_results(load_records([a])[0])
+    assert [(r["label"], r["problems"], r["samples"], r["seeds"]) for r in sections[0].rows] == [
+        ("full", 2, 8, 2),
+        ("streaming@16", 2, 8, 2),
+    ]
+    assert sections[0].rows[0]["mean_length"] == 6.0 and sections[0].rows[0]["truncation_rate"] == 1.0
+
+
+# ----------------------------------------------------------------------- report
+def replay_line(key, method, budget, item, sums, status="ok", live=10.0, **config) -> dict:
+    cfg = {
+        "kind": "replay",
+        "model": "m",
+        "dataset": "d",
+        "item": item,
+        "method": method,
+        "budget": budget,
+        "knobs": {},
+        **config,
+    }
+    if status != "ok":
+        return {"key": key, "status": "error", "config": cfg, "error": "ValueError: boom"}
+    n, kl, top1, nll_full, nll = sums
+    sums_d = {"n": n, "kl": kl, "top1": top1, "nll_full": nll_full, "nll": nll}
+    return {
+        "key": key,
+        "status": "ok",
+        "config": cfg,
+        "metrics": {"sums": sums_d, "live_tokens": live},
+        "timings": {"seconds": 1.0},
+    }
+
+
+def test_report_pools_positions_over_traces(tmp_path) -> None:
+    lines = [
+        replay_line("a", "full", None, "t1", (100, 0.0, 100, 150.0, 150.0), live=60.0),
+        replay_line("b", "full", None, "t2", (300, 0.0, 300, 420.0, 420.0), live=80.0),
+        replay_line("c", "snapkv", 64, "t1", (100, 10.0, 90, 150.0, 160.0), live=20.0),
+        replay_line("d", "snapkv", 64, "t2", (300, 50.0, 240, 420.0, 440.0), live=40.0),
+        replay_line("e", "snapkv", 128, "t1", (100, 2.0, 98, 150.0, 151.0)),
+        replay_line("f", "snapkv", 128, "t2", None, status="error"),
+        replay_line("g", "rkv", 64, "t1", None, status="error"),
+        replay_line("g", "rkv", 64, "t1", (100, 4.0, 95, 150.0, 152.0)),  # a retry that worked
+        replay_line("g", "rkv", 64, "t1", (100, 9.0, 0, 150.0, 152.0)),  # a duplicate ok: the first counts
+    ]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"key": "cut')
+    records, bad = load_records([path])
+    assert bad == 1 and len(records) == 7
+    (section,) = summarize_results(records)
+    rows = {r["label"]: r for r in section.rows}
+    assert list(rows) == ["full", "snapkv@64", "snapkv@128", "rkv@64"]
+    snap = rows["snapkv@64"]
+    assert (snap["traces"], snap["positions"], snap["errors"]) == (2, 400, 0)
+    assert snap["mean_kl"] == pytest.approx(60 / 400) and snap["top1"] == pytest.approx(330 / 400)
+    assert snap["ppl_ratio"] == pytest.approx(math.exp(30 / 400))
+    assert snap["live_tokens"] == pytest.approx((20 * 100 + 40 * 300) / 400)
+    assert rows["full"]["ppl_ratio"] == 1.0 and rows["full"]["top1"] == 1.0
+    assert (rows["snapkv@128"]["units"], rows["snapkv@128"]["errors"], rows["snapkv@128"]["traces"]) == (
+        2,
+        1,
+        1,
+    )
+    assert rows["rkv@64"]["mean_kl"] == pytest.approx(0.04) and rows["rkv@64"]["errors"] == 0
+
+    md = markdown_table(section).splitlines()
+    assert md[0] == "| method | budget | traces | tokens | mean KL | top-1 | ppl ratio | live/head | errors |"
+    assert md[3] == "| snapkv | 64 | 2 | 400 | 0.1500 | 0.825 | 1.078 | 35 |  |"
+    assert md[4] == "| snapkv | 128 | 1 | 100 | 0.0200 | 0.980 | 1.010 | 10 | 1 |"
+
+    result = runner.invoke(
+        app(), ["report", str(path), "--out", str(tmp_path / "rep")], env={"COLUMNS": "200"}
+    )
+    assert result.exit_code == 0, errors_of(result)
+    assert "0.1500" in result.output and "0.825" in result.output and "1.078" in result.output
+    assert "1 unreadable line" in result.output
+    assert (tmp_path / "rep" / "fidelity.png").stat().st_size > 1000
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert "| snapkv | 64 | 2 | 400 | 0.1500 | 0.825 | 1.078 | 35 |  |" in text and "(fidelity.png)" in text
+
+
+def test_report_labels_a_method_run_with_two_knob_settings(tmp_path) -> None:
+    lines = [
+        replay_line("a", "snapkv", 64, "t1", (10, 1.0, 9, 1.0, 2.0), knobs={"interval": 8}),
+        replay_line("b", "snapkv", 64, "t1", (10, 2.0, 8, 1.0, 3.0), knobs={"interval": 32}),
+    ]
+    for line, knobs in zip(lines, ({"interval": 8}, {"interval": 32}), strict=True):
+        line["config"]["knobs"] = knobs
+    (section,) = summarize_results(lines)
+    assert [r["label"] for r in section.rows] == ["snapkv[interval=8]@64", "snapkv[interval=32]@64"]
+
+
+# -------------------------------------------------------------------------- CLI
+def app() -> typer.Typer:
+    app = typer.Typer()
+    app.command("sweep")(sweep_cli.sweep_command)
+    app.command("report")(sweep_cli.report_command)
+    return app
+
+
+def test_sweep_and_report_commands_end_to_end(tmp_path, monkeypatch) -> None:
+    # The default loader (reasonkv's load_model) replaced, as the other CLI tests do.
+    monkeypatch.setattr(sw, "load_model", tiny_loader)
+    write_traces(tmp_path / "traces.jsonl")
+    grid_path = tmp_path / "grid.toml"
+    grid_path.write_text(
+        'kind = "replay"\nmodels = ["tiny"]\nmethods = ["full", "snapkv", "streaming"]\nbudgets = [4, 16]\n'
+        "[settings]\nmax_tokens = 80\nbin = 32\n[knobs]\ninterval = 8\n"
+        '[[datasets]]\ntraces = "traces.jsonl"\nlimit = 2\n'
+    )
+    out = tmp_path / "res" / "sweep.jsonl"
+    env = {"COLUMNS": "200"}
+    dry = runner.invoke(app(), ["sweep", str(grid_path), "--out", str(out), "--dry-run"], env=env)
+    assert dry.exit_code == 0 and "10 units, 0 done" in dry.output and "10 to run in 2 tasks" in dry.output
+    assert not out.exists()
+
+    result = runner.invoke(app(), ["sweep", str(grid_path), "--out", str(out)], env=env)
+    # snapkv@4 and streaming@4 are below the protected window: recorded, exit 1, the rest done.
+    assert result.exit_code == sweep_cli.FAILED_UNITS, errors_of(result)
+    assert "10 units: 0 already done, 6 run now, 4 failed" in result.output
+    assert "below the protected window" in result.output
+    assert len(lines_of(out)) == 10 and LOADS == ["tiny"]
+
+    with out.open("ab") as f:  # a write cut short by kill -9
+        f.write(b'{"key": "abc", "sta')
+    again = runner.invoke(app(), ["sweep", str(grid_path), "--out", str(out)], env=env)
+    assert again.exit_code == 0 and "10 already done, 0 run now" in again.output
+    assert "a partial last line (19 bytes) removed" in errors_of(again) + again.output
+    assert out.read_bytes().endswith(b"}\n") and len(lines_of(out)) == 10
+
+    report = runner.invoke(app(), ["report", str(out)], env=env)
+    assert report.exit_code == 0, errors_of(report)
+    assert "snapkv" in report.output and (tmp_path / "res" / "sweep-report" / "fidelity.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["sweep", "nope.toml"], "no grid file"),
+        (["sweep", "GRID", "--workers", "0"], "--workers must be at least 1"),
+        (["report", "nope.jsonl"], "no results file"),
+    ],
+)
+def test_command_errors_are_one_line(tmp_path, args, message) -> None:
+    grid_path = tmp_path / "g.toml"
+    grid_path.write_text('kind = "replay"\n')
+    args = [str(grid_path) if a == "GRID" else a for a in args]
+    result = runner.invoke(app(), args, env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and message in errors_of(result)
+    assert "Traceback" not in errors_of(result)
