@@ -450,6 +450,10 @@ app.command("eval")(eval_command)
 app.command("sweep")(sweep_command)
 app.command("report")(report_command)
 
+from reasonkv.analyze_cli import analyze_command  # noqa: E402
+
+app.command("analyze")(analyze_command)
+
 
 def main() -> None:  # pragma: no cover - `python -m reasonkv.cli`
     app()
