@@ -30,8 +30,8 @@ test-all: $(STAMP)
 	REASONKV_SLOW=1 $(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests scripts
-	$(BIN)/ruff format --check src tests scripts
+	$(BIN)/ruff check src tests scripts benchmarks
+	$(BIN)/ruff format --check src tests scripts benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

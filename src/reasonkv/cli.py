@@ -451,8 +451,10 @@ app.command("sweep")(sweep_command)
 app.command("report")(report_command)
 
 from reasonkv.analyze_cli import analyze_command  # noqa: E402
+from reasonkv.bench_cli import bench_command  # noqa: E402
 
 app.command("analyze")(analyze_command)
+app.command("bench")(bench_command)
 
 
 def main() -> None:  # pragma: no cover - `python -m reasonkv.cli`
