@@ -47,3 +47,21 @@ def padded_prompts(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[int]
         ids[r, :p] = 0
         mask[r, :p] = 0
     return ids, mask, pads
+
+
+def assert_no_eviction_matches_stock(model, method: str, budget: int) -> None:
+    """With a budget no prompt + 24 tokens can reach, `method` on `model` decodes exactly like
+    a fresh stock model with a DynamicCache: same tokens, same scores, no compression."""
+    from transformers import DynamicCache
+
+    from reasonkv import make_cache
+
+    stock = tiny_model()
+    ids, mask, _ = padded_prompts()
+    ref = greedy(stock, ids, mask, DynamicCache(config=stock.config), 24)
+    cache = make_cache(model, method, budget=budget)
+    out = greedy(model, ids, mask, cache, 24)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert cache.events == []

@@ -9,9 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-from method_helpers import greedy, padded_prompts, tiny_model
+from method_helpers import assert_no_eviction_matches_stock, greedy, padded_prompts, tiny_model
 from reasonkv import make_cache
 from reasonkv.models import attention_modules
 from reasonkv.policies import EMPTY, H2OScorer, Observation, protected_mask, select_tokens
@@ -182,15 +181,7 @@ def model():
 
 
 def test_h2o_without_eviction_equals_dynamic_cache(model):
-    stock = tiny_model()
-    ids, mask, _ = padded_prompts()
-    ref = greedy(stock, ids, mask, DynamicCache(config=stock.config), 24)
-    cache = make_cache(model, "h2o", budget=4096)
-    out = greedy(model, ids, mask, cache, 24)
-    assert torch.equal(out.sequences, ref.sequences)
-    for a, b in zip(out.scores, ref.scores, strict=True):
-        assert torch.allclose(a, b, atol=1e-5)
-    assert cache.events == []
+    assert_no_eviction_matches_stock(model, "h2o", 4096)
 
 
 def test_h2o_memory_stays_bounded_over_300_steps(model):

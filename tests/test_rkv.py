@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-from method_helpers import greedy, padded_prompts, tiny_model
+from method_helpers import assert_no_eviction_matches_stock, greedy, padded_prompts, tiny_model
 from reasonkv import make_cache
 from reasonkv.policies import EMPTY, Observation, RKVScorer, protected_mask, select_tokens
 
@@ -175,15 +174,7 @@ def model():
 
 
 def test_rkv_without_eviction_equals_dynamic_cache(model):
-    stock = tiny_model()  # same weights, stock transformers attention
-    ids, mask, _ = padded_prompts()
-    ref = greedy(stock, ids, mask, DynamicCache(config=stock.config), 24)
-    cache = make_cache(model, "rkv", budget=4096)
-    out = greedy(model, ids, mask, cache, 24)
-    assert torch.equal(out.sequences, ref.sequences)
-    for a, b in zip(out.scores, ref.scores, strict=True):
-        assert torch.allclose(a, b, atol=1e-5)
-    assert cache.events == []
+    assert_no_eviction_matches_stock(model, "rkv", 4096)
 
 
 def test_rkv_memory_stays_bounded_over_300_steps(model):

@@ -7,9 +7,8 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-from method_helpers import greedy, padded_prompts, tiny_model
+from method_helpers import assert_no_eviction_matches_stock, greedy, padded_prompts, tiny_model
 from reasonkv import make_cache
 from reasonkv.policies import EMPTY, Observation, RPCScorer, protected_mask, select_tokens
 from reasonkv.schedules import PeriodicRatio
@@ -164,15 +163,7 @@ def test_rpc_fires_at_the_papers_steps_and_keeps_the_papers_counts(model):
 
 
 def test_rpc_without_eviction_equals_dynamic_cache(model):
-    stock = tiny_model()
-    ids, mask, _ = padded_prompts()
-    ref = greedy(stock, ids, mask, DynamicCache(config=stock.config), 24)
-    cache = make_cache(model, "rpc", budget=1024)
-    out = greedy(model, ids, mask, cache, 24)
-    assert torch.equal(out.sequences, ref.sequences)
-    for a, b in zip(out.scores, ref.scores, strict=True):
-        assert torch.allclose(a, b, atol=1e-5)
-    assert cache.events == []
+    assert_no_eviction_matches_stock(model, "rpc", 1024)
 
 
 def test_rpc_memory_follows_the_ratio_over_300_steps(model):
