@@ -188,14 +188,16 @@ def test_a_point_identical_to_a_beacon_is_never_added_twice() -> None:
 
 
 # ----------------------------------------------------------------------- buffer upkeep
-def test_queries_enter_the_buffer_when_they_leave_the_recent_window() -> None:
+@pytest.mark.parametrize("upkeep_every", [1, 3, 32])
+def test_queries_enter_the_buffer_when_they_leave_the_recent_window(upkeep_every: int) -> None:
     """Steps of several sizes (a left-padded prefill, single decode steps, a chunk) driven as the
     cache drives them: on_step sees the step's queries with the previous window untouched, then
     the cache's own window update keeps the newest `recent` queries; the older ones (rotated back
     to pre-RoPE, padding excluded, G points per KV head) go through continual FPS exactly as the
-    one-at-a-time reference says."""
+    one-at-a-time reference says, whether they are fed at once or queued and flushed in batches
+    (`upkeep_every`, the queue never longer than that)."""
     rotary = LlamaRotaryEmbedding(rope_config("yarn"))
-    scorer = BeaconKVScorer(beacon_max=10, beacon_min=4, recent=5)
+    scorer = BeaconKVScorer(beacon_max=10, beacon_min=4, recent=5, upkeep_every=upkeep_every)
     b, h, grp = 2, 2, 2
     gen = torch.Generator().manual_seed(5)
     layer = SimpleNamespace(queries=None, query_index=None, query_positions=None, extras={})
@@ -203,7 +205,8 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window() -> None:
     history: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pre-RoPE [B, Hq, D], index [B]) per query
     pads = [0, 3]
     seen = 0
-    for q in (12, 1, 1, 1, 7, 1, 1, 20, 1, 1, 1):
+    sizes = (12, 1, 1, 1, 7, 1, 1, 20, 1, 1, 1)
+    for step_no, q in enumerate(sizes):
         pre = torch.randn(b, h * grp, q, D, generator=gen)
         index = torch.arange(seen, seen + q).expand(b, q).clone()
         positions = index.clone()
@@ -239,6 +242,11 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window() -> None:
                         refs[r][kv].add(vec[r, kv * grp + g_].tolist())
         assert layer.queries.shape[2] == min(seen, 5)
         assert torch.equal(layer.query_index, torch.stack([i for _, i in history], 1))
+        assert layer.extras.get("pending_count", 0) < upkeep_every
+        if step_no % 3 != 2 and step_no != len(sizes) - 1:
+            continue  # let the queue build up across steps before reading the buffers
+        scorer.flush(layer.extras, rotary.inv_freq, rotary.attention_scaling)
+        assert layer.extras["pending_count"] == 0
         count = layer.extras["beacon_count"]
         for r in range(b):
             for kv in range(h):
@@ -471,5 +479,7 @@ def test_beaconkv_padded_batch_equals_rows_alone() -> None:
                 kept_b = [int(i) - pad for i in lb.token_index[r, h] if i != EMPTY]
                 kept_a = [int(i) for i in la.token_index[0, h] if i != EMPTY]
                 assert kept_b == kept_a
+            for c, lay in ((cache, lb), (alone_cache, la)):  # feed the queued queries in
+                c.policy.scorer.flush(lay.extras, c.policy.rope_inv_freq, c.policy.rope_attention_scaling)
             assert torch.equal(lb.extras["beacon_count"][r], la.extras["beacon_count"][0])
             torch.testing.assert_close(lb.extras["beacons"][r], la.extras["beacons"][0], atol=1e-4, rtol=1e-4)

@@ -49,7 +49,9 @@ def test_live_tokens_never_exceed_the_schedule_bound(
     cache = reasonkv.make_cache(model, method, **METHODS[method])
     bound = cache.live_token_bound()
     assert bound == EXPECTED_BOUND[method]
-    capacity = bound + 1  # storage is preallocated up to the compression trigger
+    # Storage is preallocated up to the compression trigger, plus the slots every-step
+    # schedules may leave as holes between compactions.
+    capacity = bound + 1 + cache.policy.schedule.hole_slots(BUDGET)
 
     def check(c, fed: int) -> None:
         assert c.get_seq_length() == fed
@@ -59,6 +61,7 @@ def test_live_tokens_never_exceed_the_schedule_bound(
         for layer in c.layers:
             assert int(layer.n_valid.max()) <= bound
             assert layer.keys.shape[2] == capacity
+            assert layer.used <= capacity
             real = (layer.token_index[:, :, : layer.used] != EMPTY).sum(-1)
             assert torch.equal(real, layer.n_valid), "n_valid must count the real stored tokens"
         assert mem["kv_bytes"] == storage_bytes(1, kv_heads, capacity)
@@ -133,7 +136,7 @@ def test_positions_stay_logical_after_eviction(method: str) -> None:
         fed = PROMPT
         for step in range(NEW):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
-            physical = cache.layers[0].used
+            physical = int(cache.layers[0].n_valid.max())  # tokens actually held
             check_now = fed > BUDGET + 4 and step % 5 == 0
             if check_now:
                 assert physical < fed, "the check needs a cache that has evicted"
@@ -184,11 +187,15 @@ def test_eviction_changes_the_output() -> None:
 
 @pytest.mark.parametrize("method", ("snapkv", "tova"))
 def test_compression_releases_the_old_storage(method: str) -> None:
+    """Compaction gathers the kept tokens into fresh storage and the old storage is freed at
+    once; between compactions decoding writes in place (TOVA evicts every step into holes and
+    compacts every `compact_every` = 4 steps)."""
     model = tiny_model("llama", "sdpa", 2)
-    cache = reasonkv.make_cache(model, method, **METHODS[method])
-    bound = cache.live_token_bound()
+    knobs = dict(METHODS[method], **({"compact_every": 4} if method == "tova" else {}))
+    cache = reasonkv.make_cache(model, method, **knobs)
+    capacity = cache.live_token_bound() + 1 + cache.policy.schedule.hole_slots(BUDGET)
     prompt = random_prompt(PROMPT, seed=14)
-    compressions = writes_in_place = 0
+    compactions = writes_in_place = 0
     gc.disable()  # the release must come from reference counting, not from a later collection
     try:
         with torch.no_grad():
@@ -196,23 +203,22 @@ def test_compression_releases_the_old_storage(method: str) -> None:
             for _ in range(NEW):
                 layer = cache.layers[0]
                 old_keys, old_ptr = weakref.ref(layer.keys), layer.keys.data_ptr()
-                n_events = len(cache.events)
                 out = model(input_ids=out.logits[:, -1].argmax(-1, keepdim=True), cache=cache)
-                if any(e.layer == 0 for e in cache.events[n_events:]):
-                    compressions += 1
-                    assert old_keys() is None, "the pre-compression storage must be unreferenced"
-                    assert layer.keys.shape[2] == bound + 1  # the kept budget + the schedule's slack
-                    assert layer.keys.untyped_storage().nbytes() == 2 * (bound + 1) * HEAD_DIM * 4
+                if old_keys() is not layer.keys:
+                    compactions += 1
+                    assert old_keys() is None, "the pre-compaction storage must be unreferenced"
+                    assert layer.keys.shape[2] == capacity  # the kept budget + the schedule's slack
+                    assert layer.keys.untyped_storage().nbytes() == 2 * capacity * HEAD_DIM * 4
                     assert layer.values.untyped_storage().nbytes() == layer.keys.untyped_storage().nbytes()
                 else:
-                    # Between compressions decoding writes into the preallocated storage.
-                    assert old_keys() is layer.keys and layer.keys.data_ptr() == old_ptr
+                    # Between compactions decoding writes into the preallocated storage.
+                    assert layer.keys.data_ptr() == old_ptr
                     writes_in_place += 1
     finally:
         gc.enable()
-    assert compressions >= 3
-    if method == "snapkv":
-        assert writes_in_place >= 3
+    assert compactions >= 3
+    assert writes_in_place >= 3
+    assert len([e for e in cache.events if e.layer == 0]) >= compactions
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -230,3 +236,46 @@ def test_sampling_with_eviction_produces_the_requested_tokens(method: str) -> No
         assert int(cache.memory()["live_tokens"].max()) <= cache.live_token_bound()
         runs.append(out)
     assert torch.equal(runs[0], runs[1]), "the cache adds no randomness of its own"
+
+
+@pytest.mark.parametrize("method", ("streaming", "h2o", "tova"))
+def test_every_step_eviction_leaves_holes_and_compacts_every_k_steps(method: str) -> None:
+    """Every-step methods evict every step but compact every `compact_every` steps: in between,
+    evicted slots are holes (EMPTY, never attended). The same tokens survive, the same tokens
+    are generated and the logits match compacting at every step; storage is replaced once per
+    `compact_every` steps and never holds more than budget + compact_every slots."""
+    budget = 32  # compact every min(compact_every, budget // 8) = 4 steps
+    model = tiny_model("qwen3", "sdpa", 2)
+    prompt = random_prompt(PROMPT, seed=12)
+
+    def kept(c) -> list[list[list[int]]]:
+        return [
+            [[i for i in layer.token_index[0, h, : layer.used].tolist() if i != EMPTY] for h in range(2)]
+            for layer in c.layers
+        ]
+
+    survivors: list = []
+    every = reasonkv.make_cache(model, method, budget, compact_every=1)
+    tokens_every, logits_every = greedy_loop(
+        model, prompt, every, NEW, after_step=lambda c, fed: survivors.append(kept(c))
+    )
+    storage_ids: list[int] = []
+    holes_seen = []
+
+    def check(c, fed: int) -> None:
+        layer = c.layers[0]
+        storage_ids.append(id(layer.keys))
+        assert layer.keys.shape[2] <= budget + 4
+        holes_seen.append(bool((layer.token_index[0, :, : layer.used] == EMPTY).any()))
+        assert kept(c) == survivors[len(storage_ids) - 1]
+
+    lazy = reasonkv.make_cache(model, method, budget, compact_every=4)
+    tokens_lazy, logits_lazy = greedy_loop(model, prompt, lazy, NEW, after_step=check)
+    assert torch.equal(tokens_every, tokens_lazy)
+    torch.testing.assert_close(logits_lazy, logits_every, atol=1e-5, rtol=1e-4)
+    assert any(holes_seen)
+    # The cache first compresses after decode step 23 (10 + 23 = budget + 1); from then on
+    # the storage is replaced every 4th step only.
+    tail = storage_ids[23:]
+    changes = sum(a != b for a, b in zip(tail, tail[1:], strict=False))
+    assert (len(tail) - 1) // 4 <= changes <= (len(tail) - 1) // 4 + 1

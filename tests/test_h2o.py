@@ -196,6 +196,7 @@ def test_h2o_memory_stays_bounded_over_300_steps(model):
             mem = cache.memory()
             assert int(mem["live_tokens"].max()) == budget
             for layer in cache.layers:
+                # budget 10 < 16: no holes (k = budget // 8 = 1), storage is exactly budget + 1
                 assert layer.keys.shape[2] <= budget + 1 and layer.state["h2o_acc"].shape[2] <= budget + 1
                 assert layer.queries.shape[2] == 1
             physical.append(mem["physical_bytes"])

@@ -6,6 +6,8 @@ per-head `lengths`. Each head's live slots are `[0, lengths[b, h])`, kept in pos
 order. Capacity is allocated for exactly what the schedule can need before the next
 compression, so decoding writes in place; compaction (a gather into fresh, smaller
 storage) happens only when the schedule fires, and the old storage is released.
+Schedules that evict every step (`hole_slots() > 0`) leave evicted tokens as holes
+(EMPTY slots) and compact only when the holes fill the slack they were given.
 
 Logical vs physical: `get_seq_length()` is the number of tokens seen (RoPE positions and
 the 2-D attention mask of `generate()` are logical); `memory()` reports what is stored.
@@ -99,7 +101,8 @@ class CompressedLayer(CacheLayerMixin):
         self.n_valid: torch.Tensor | None = None  # [B, H] real tokens per head
         self.used = 0  # max over heads of lengths (a python int: no sync to slice)
         self.ragged = False  # do heads/rows use different numbers of slots?
-        self.dense = True  # are all slots in [0, used) real tokens (no padding)?
+        self.holes = False  # do heads have evicted-but-not-compacted slots (per-head layout)?
+        self.dense = True  # are all slots in [0, used) real tokens (no padding, no holes)?
         self.seen = 0  # logical tokens seen, padding included
         self.new_start = 0  # sequence index of the first token of the current step
         self.state: dict[str, torch.Tensor] = {}
@@ -131,6 +134,7 @@ class CompressedLayer(CacheLayerMixin):
         self._trigger = None if triggers[0] is None else max(triggers)
         self._trigger_total = None if triggers[0] is None else sum(triggers)
         self._targets = torch.tensor([schedule.target(b) for b in self.budgets.tolist()], device=self.device)
+        self._hole_slots = schedule.hole_slots(int(self.budgets.min())) if self._trigger is not None else 0
         self.valid_upper = 0  # an upper bound of max_b sum_h n_valid[b, h], to skip the check cheaply
         self.is_initialized = True
 
@@ -155,7 +159,7 @@ class CompressedLayer(CacheLayerMixin):
         b, h = self.lengths.shape
         # Room up to the schedule's trigger, so decoding writes in place until it compresses.
         if self._trigger is not None and needed <= self._trigger:
-            cap = self._trigger
+            cap = self._trigger + self._hole_slots
         else:
             cap = needed + self._slack()
         # Zeros, not empty: masked slots still enter the attention matmuls, and 0 x NaN from
@@ -238,7 +242,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.dense and not self.ragged and (q == 1 or q == self.used):
             return None  # decode (attend all) or a fresh prefill (plain causal)
         index = self.token_index[:, :, : self.used]
-        if not self.ragged:
+        if not self.ragged and not self.holes:
             index = index[:, :1]  # heads share slot layout, so one mask row serves all
         allowed = index[:, :, None, :] <= query_index[:, None, :, None]
         # A padding query attends nothing; give it everything so no NaN leaks into its
@@ -325,12 +329,27 @@ class CompressedLayer(CacheLayerMixin):
             index, policy.n_sink, policy.n_recent, self.prompt_end if policy.protect_prompt else None
         )
         slots, new_len = select_tokens(scores, index, keep, protected)
-        self._compact(slots, new_len)
+        holes = self.used - slots.shape[-1]  # slots not kept by the longest head
+        if holes <= self._hole_slots and self.used + self._slack() <= self.keys.shape[2]:
+            self._evict_in_place(slots, new_len)
+        else:
+            self._compact(slots, new_len)
+
+    def _evict_in_place(self, slots: torch.Tensor, new_len: torch.Tensor) -> None:
+        """Make every slot not in `slots` a hole (EMPTY); storage and the other slots stay put."""
+        b, h = self.lengths.shape
+        kept = torch.zeros(b, h, self.used + 1, dtype=torch.bool, device=self.device)
+        kept.scatter_(2, slots, True)  # padding entries (= used) land in the extra column
+        self.token_index[:, :, : self.used].masked_fill_(~kept[:, :, : self.used], EMPTY)
+        self.n_valid = new_len.clone()
+        self.valid_upper = int(new_len.sum(-1).max())
+        self.holes = True
+        self.dense = False
 
     def _compact(self, slots: torch.Tensor, new_len: torch.Tensor) -> None:
         """Gather the kept slots [B, H, K] (sorted, padded with `used`) into fresh storage."""
         b, h, k = slots.shape
-        cap = k + self._slack()
+        cap = k + self._slack() + self._hole_slots
         safe = slots.clamp(max=max(self.used - 1, 0))
         present = slots < self.used
 
@@ -351,6 +370,7 @@ class CompressedLayer(CacheLayerMixin):
         self.used = k
         self.valid_upper = int(new_len.sum(-1).max())
         self.ragged = bool((new_len != k).any())
+        self.holes = False
         self.dense = not self.ragged
 
     # ----------------------------------------------------------- bookkeeping
@@ -517,8 +537,8 @@ class CompressedCache(Cache):
         keep = torch.where(rows[:, None], keep, layer.n_valid)
         layer.compress(keep, scores)
         if self.record_events:
-            # A copy: on CPU .cpu() is the live tensor, which later steps grow in place.
-            self.events.append(CompressionEvent(layer_idx, layer.seen, layer.lengths.cpu().clone()))
+            # A copy: on CPU .cpu() is the live tensor, which later steps change in place.
+            self.events.append(CompressionEvent(layer_idx, layer.seen, layer.n_valid.cpu().clone()))
 
     # ------------------------------------------------------------- reporting
     def memory(self) -> dict:

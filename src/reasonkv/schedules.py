@@ -27,18 +27,41 @@ class Schedule:
     def target(self, budget: int) -> int:
         return budget
 
+    def hole_slots(self, budget: int) -> int:
+        """Evicted tokens that may stay in storage as holes (masked, never attended or scored)
+        before a layer whose smallest head budget is `budget` is compacted; 0 = compact at
+        every compression."""
+        return 0
+
     def describe(self) -> str:
         return self.name
 
 
 @dataclass(frozen=True)
 class EveryStep(Schedule):
-    """Keep exactly `budget` after every step (H2O, TOVA, StreamingLLM)."""
+    """Keep exactly `budget` after every step (H2O, TOVA, StreamingLLM).
+
+    Eviction is every step, compaction every k = min(`compact_every`, budget // 8) steps
+    (at least 1): in between, an evicted token's slot becomes a hole (EMPTY: never attended,
+    scored or kept), so a decode step does not gather the whole cache into fresh storage.
+    Storage holds at most budget + k slots (≤ 1/8 more); every head attends to exactly
+    `budget` tokens either way."""
 
     name: str = "every-step"
+    compact_every: int = 16
+
+    def __post_init__(self) -> None:
+        if self.compact_every < 1:
+            raise ValueError(f"compact_every must be at least 1, got {self.compact_every}")
 
     def trigger(self, budget: int) -> int:
         return budget + 1
+
+    def hole_slots(self, budget: int) -> int:
+        return max(1, min(self.compact_every, budget // 8)) - 1
+
+    def describe(self) -> str:
+        return "every-step" if self.compact_every == 1 else f"every-step (compact every {self.compact_every})"
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,11 @@ class BeaconKVScorer:
     aggregation: Literal["max", "mean"] = "max"
     pooling: Literal["max", "avg", "none"] = "none"
     kernel: int = 7
+    upkeep_every: int = 32
+    """Queries leaving the recent window wait in a queue and enter the buffers this many at a
+    time, or when scoring needs the buffers. Continual FPS fed in chunks equals FPS fed one
+    point at a time (`add_points`), so the beacons do not depend on it; a decode step then
+    costs a queue append instead of a dozen small ops per layer."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.beacon_min < self.beacon_max:
@@ -118,6 +123,8 @@ class BeaconKVScorer:
             raise ValueError(f"recent must be at least 1, got {self.recent}")
         if self.aggregation not in ("max", "mean"):
             raise ValueError(f"aggregation must be 'max' or 'mean', got {self.aggregation!r}")
+        if self.upkeep_every < 1:
+            raise ValueError(f"upkeep_every must be at least 1, got {self.upkeep_every}")
 
     @property
     def window(self) -> int:
@@ -132,14 +139,14 @@ class BeaconKVScorer:
         queries) and `step` holds this forward's; of the two in order, all but the newest
         `recent` leave, rotated back to pre-RoPE (padding queries never enter). The cache then
         keeps the newest `recent` as its window. State in `layer.extras`: beacons [B, H, M, D]
-        (pre-RoPE, fp32, arrival order) and beacon_count [B, H].
+        (pre-RoPE, fp32, arrival order), beacon_count [B, H], and the queue of leaving queries
+        not yet fed (`pending`, flushed every `upkeep_every` queries and before scoring).
         """
         previous = 0 if layer.queries is None else layer.queries.shape[2]
         n_out = previous + step.queries.shape[2] - self.recent
         ex = layer.extras
-        b, hq, _, d = step.queries.shape
+        b, _, _, d = step.queries.shape
         h = keys.shape[1]
-        g = hq // h
         if "beacons" not in ex:
             ex["beacons"] = torch.zeros(b, h, self.beacon_max, d, device=keys.device)
             ex["beacon_count"] = torch.zeros(b, h, dtype=torch.long, device=keys.device)
@@ -151,23 +158,48 @@ class BeaconKVScorer:
             raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
 
         def oldest(old: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
-            """The first n_out of (previous window, this step) along `dim`, without touching the window."""
+            """A copy of the first n_out of (previous window, this step) along `dim` (a decode
+            step: the window's oldest), never a view that would pin the window or a prefill."""
+            if old is not None and n_out <= old.shape[dim]:
+                return old.narrow(dim, 0, n_out).clone()
             both = new if old is None else torch.cat([old, new], dim)
-            return both.narrow(dim, 0, n_out)
+            return both.narrow(dim, 0, n_out).clone()
 
         leaving = oldest(layer.queries, step.queries, 2)
         index = oldest(layer.query_index, step.query_index, 1)
         positions = oldest(layer.query_positions, step.query_positions, 1)
-        pre = unapply_rope(leaving, positions[:, None], step.rope_inv_freq, step.rope_attention_scaling)
-        # Each leaving query gives G points per KV head, in order (query, then group head).
-        points = pre.reshape(b, h, g, n_out, d).transpose(2, 3).reshape(b, h, n_out * g, d)
-        valid = (index >= 0)[:, None, :, None].expand(b, h, n_out, g).reshape(b, h, -1)
-        ex["beacons"], ex["beacon_count"] = add_points(
-            ex["beacons"], ex["beacon_count"], points, valid, self.beacon_min
+        ex.setdefault("pending", []).append((leaving, index, positions))
+        ex["pending_count"] = ex.get("pending_count", 0) + n_out
+        if ex["pending_count"] >= self.upkeep_every:
+            self.flush(ex, step.rope_inv_freq, step.rope_attention_scaling)
+
+    def flush(self, extras: dict, inv_freq: torch.Tensor | None, attention_scaling: float = 1.0) -> None:
+        """Feed the queued leaving queries (post-RoPE, oldest first) into the beacon buffers:
+        rotated back to pre-RoPE, each giving G points per KV head (query, then group head),
+        padding queries excluded. Scoring calls it; so may anyone who reads the buffers."""
+        pending = extras.get("pending")
+        if not pending:
+            return
+        if inv_freq is None:
+            raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
+        leaving = torch.cat([p[0] for p in pending], dim=2)
+        index = torch.cat([p[1] for p in pending], dim=1)
+        positions = torch.cat([p[2] for p in pending], dim=1)
+        extras["pending"], extras["pending_count"] = [], 0
+        b, hq, n, d = leaving.shape
+        h = extras["beacons"].shape[1]
+        g = hq // h
+        pre = unapply_rope(leaving, positions[:, None], inv_freq, attention_scaling)
+        points = pre.reshape(b, h, g, n, d).transpose(2, 3).reshape(b, h, n * g, d)
+        valid = (index >= 0)[:, None, :, None].expand(b, h, n, g).reshape(b, h, -1)
+        extras["beacons"], extras["beacon_count"] = add_points(
+            extras["beacons"], extras["beacon_count"], points, valid, self.beacon_min
         )
 
     # ------------------------------------------------------------------ scoring
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        if obs.extras is not None:
+            self.flush(obs.extras, obs.rope_inv_freq, obs.rope_attention_scaling)
         logits = grouped_logits(obs.queries, keys, obs.scaling)
         probs = masked_softmax(logits, candidate_mask(obs))  # recent queries: [B, H, G, W, T]
         b, h, g, w, t = probs.shape
