@@ -23,10 +23,12 @@ from reasonkv.eval.replay import (
     curve_of,
     metrics,
     reference_logits,
+    replay_batch,
     replay_methods,
     replay_trace,
     summarize,
 )
+from reasonkv.eval.traces import ReplayInput
 from test_cli import CharTokenizer, tiny_llama
 from test_registry_methods import profile_knobs
 
@@ -77,6 +79,33 @@ def test_chunked_replay_equals_token_by_token_replay(method: str) -> None:
     assert chunked.live_tokens == pytest.approx(stepwise.live_tokens)
     if method in CHUNKED:  # buffer / threshold / periodic schedules really take several tokens per forward
         assert chunked.forwards < chunked.positions // 2
+
+
+@pytest.mark.parametrize("method", [*CHUNKED, "h2o", "streaming", "full"])
+def test_batched_replay_equals_each_trace_alone(method: str) -> None:
+    """Traces of different prompt and trace lengths replayed as one left-padded batch give each
+    trace the numbers of its replay alone: the same compressions, the same top-1 agreement,
+    KL and NLL up to float rounding of the batched matmuls, the same live-token mean."""
+    model = tiny_model("llama", "sdpa", KV_HEADS)
+    run = run_of(model, method)
+    inputs = [
+        ReplayInput("a", trace_ids(seed=5), PROMPT),
+        ReplayInput("b", trace_ids(seed=9, n=120), 14),
+        ReplayInput("c", trace_ids(seed=11, n=140), 7),
+    ]
+    batched = replay_batch(model, inputs, [run], block=64)
+    assert len(batched) == 3 and all(len(row) == 1 for row in batched)
+    for inp, [got] in zip(inputs, batched, strict=True):
+        alone = replay_methods(model, inp.input_ids, inp.prompt_len, [run], trace_id=inp.id, block=64)[0]
+        assert got.trace_id == inp.id and got.prompt_len == inp.prompt_len
+        assert got.positions == alone.positions == inp.input_ids.shape[1] - 1 - inp.prompt_len
+        assert got.compressions == alone.compressions
+        if method != "full":
+            assert got.compressions >= 2 * N_LAYERS
+        assert torch.equal(got.top1, alone.top1)
+        for name in ("kl", "nll", "nll_full"):
+            torch.testing.assert_close(getattr(got, name), getattr(alone, name), atol=1e-4, rtol=1e-4)
+        assert got.live_tokens == pytest.approx(alone.live_tokens)
 
 
 @pytest.mark.parametrize("method", [*CHUNKED, "h2o", "streaming"])

@@ -233,7 +233,7 @@ def test_resume_after_a_crash_mid_unit_loses_and_repeats_nothing(tmp_path, monke
     # Crash: the second trace's replay pass dies (Ctrl-C) halfway through, and the process
     # dies mid-write of a line (kill -9 during os.write leaves a partial tail).
     out = tmp_path / "res.jsonl"
-    real = replay_mod.replay_methods
+    real = replay_mod.replay_batch
     calls = []
 
     def crashing(*args, **kwargs):
@@ -242,10 +242,10 @@ def test_resume_after_a_crash_mid_unit_loses_and_repeats_nothing(tmp_path, monke
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(replay_mod, "replay_methods", crashing)
+    monkeypatch.setattr(replay_mod, "replay_batch", crashing)
     with pytest.raises(KeyboardInterrupt):
         sw.run_sweep(grid, out)
-    monkeypatch.setattr(replay_mod, "replay_methods", real)
+    monkeypatch.setattr(replay_mod, "replay_batch", real)
     done_before = out.read_bytes()
     assert len(lines_of(out)) == 5  # the first trace's units only
     with out.open("ab") as f:
@@ -340,14 +340,14 @@ def test_failing_units_are_recorded_and_the_rest_finish(tmp_path) -> None:
 
 
 def test_a_method_that_breaks_the_shared_pass_fails_alone(tmp_path, monkeypatch, reference) -> None:
-    real = replay_mod.replay_methods
+    real = replay_mod.replay_batch
 
-    def streaming_breaks(model, ids, prompt_len, runs, **kwargs):
+    def streaming_breaks(model, inputs, runs, **kwargs):
         if any(r.method == "streaming" for r in runs):
             raise RuntimeError("streaming broke mid-trace")
-        return real(model, ids, prompt_len, runs, **kwargs)
+        return real(model, inputs, runs, **kwargs)
 
-    monkeypatch.setattr(replay_mod, "replay_methods", streaming_breaks)
+    monkeypatch.setattr(replay_mod, "replay_batch", streaming_breaks)
     out = tmp_path / "res.jsonl"
     stats = sw.run_sweep(grid_of(tmp_path), out)
     assert (stats.ok, stats.failed) == (9, 6)
@@ -623,3 +623,46 @@ def test_command_errors_are_one_line(tmp_path, args, message) -> None:
     result = runner.invoke(app(), args, env={"COLUMNS": "200"})
     assert result.exit_code == 2 and message in errors_of(result)
     assert "Traceback" not in errors_of(result)
+
+
+def test_batch_traces_runs_one_task_per_method_with_the_same_units_and_numbers(tmp_path, reference) -> None:
+    """batch_traces = true: one task per method replays every trace as one batch. The units
+    (keys) are those of the default grouping, and each unit's numbers equal its replay alone
+    up to float rounding; an interrupted batched sweep resumes without loss or repeats."""
+    settings = {"max_tokens": 80, "bin": 32, "loader": LOADER, "batch_traces": True}
+    grid = grid_of(tmp_path, settings=settings)
+    units = sw.expand(grid)
+    assert {u.key for u in units} == {u.key for u in sw.expand(grid_of(tmp_path))}
+    tasks = sw.make_tasks(units)
+    assert [(t.units[0].config["method"], len(t.units)) for t in tasks] == [
+        ("full", 3),
+        ("snapkv", 6),
+        ("streaming", 6),
+    ]
+    out = tmp_path / "batched.jsonl"
+    done = []
+
+    def stop_after_two_tasks(records: list[dict]) -> None:
+        done.append(len(records))
+        if len(done) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        sw.run_sweep(grid, out, threads=1, on_records=stop_after_two_tasks)
+    assert len(lines_of(out)) == 9
+    stats = sw.run_sweep(grid, out, threads=1)
+    assert (stats.skipped, stats.ok) == (9, 6)
+    got, want = metrics_by_key(out), metrics_by_key(reference)
+    assert got.keys() == want.keys()
+    for key, m in got.items():
+        assert m["positions"] == want[key]["positions"]
+        assert m["compressions"] == want[key]["compressions"]
+        for name in ("mean_kl", "top1", "ppl_ratio"):
+            assert m[name] == pytest.approx(want[key][name], rel=1e-4, abs=1e-5), name
+    assert all(r["timings"]["task_traces"] == 3 for r in lines_of(out))
+    # "every-step": streaming (every step) batched across traces, the others one task per trace.
+    mixed = sw.make_tasks(sw.expand(grid_of(tmp_path, settings={**settings, "batch_traces": "every-step"})))
+    shapes = sorted((sorted({u.config["method"] for u in t.units}), len(t.units)) for t in mixed)
+    assert shapes == [(["full", "snapkv"], 3)] * 3 + [(["streaming"], 6)]
+    with pytest.raises(sw.GridError, match="batch_traces"):
+        grid_of(tmp_path, settings={**settings, "batch_traces": "sometimes"})

@@ -44,6 +44,7 @@ class CompressionEvent:
     layer: int
     seen: int
     lengths: torch.Tensor  # [B, H] live tokens per head after the compression
+    rows: torch.Tensor | None = None  # [B] bool: the batch rows that compressed
 
 
 @dataclass
@@ -538,7 +539,9 @@ class CompressedCache(Cache):
         layer.compress(keep, scores)
         if self.record_events:
             # A copy: on CPU .cpu() is the live tensor, which later steps change in place.
-            self.events.append(CompressionEvent(layer_idx, layer.seen, layer.n_valid.cpu().clone()))
+            self.events.append(
+                CompressionEvent(layer_idx, layer.seen, layer.n_valid.cpu().clone(), rows.cpu().clone())
+            )
 
     # ------------------------------------------------------------- reporting
     def memory(self) -> dict:

@@ -27,6 +27,7 @@ import torch
 
 from reasonkv.api import make_cache
 from reasonkv.cache import CompressedCache
+from reasonkv.eval.traces import ReplayInput
 from reasonkv.registry import get_method
 from reasonkv.schedules import PeriodicRatio
 
@@ -86,21 +87,21 @@ def _periodic_plan(cache: CompressedCache, schedule: PeriodicRatio) -> int:
 
 # ------------------------------------------------------------------ comparison
 def reference_stats(ref_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """What every method's comparison needs from the full cache's logits [k, V], computed once
+    """What every method's comparison needs from the full cache's logits [..., k, V], computed once
     per block: log-probs and probs (float32, or float64 for float64 input), argmax, NLL."""
     logp = torch.log_softmax(ref_logits.to(torch.promote_types(ref_logits.dtype, torch.float32)), dim=-1)
     return {
         "logp": logp,
         "p": logp.exp(),
         "argmax": ref_logits.argmax(-1),
-        "nll_full": -logp.gather(-1, targets[:, None].to(logp.device))[:, 0],
+        "nll_full": -logp.gather(-1, targets[..., None].to(logp.device))[..., 0],
     }
 
 
 def compare_to_reference(
     ref: dict[str, torch.Tensor], logits: torch.Tensor, targets: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """Per position [k]: KL(full ‖ this), top-1 agreement, NLL of `targets` under both.
+    """Per position [..., k]: KL(full ‖ this), top-1 agreement, NLL of `targets` under both.
     Exactly 0 KL when the logits are bitwise the reference's (same log-softmax, zero differences)."""
     logq = torch.log_softmax(logits.to(ref["logp"].dtype), dim=-1)
     kl = (ref["p"] * (ref["logp"] - logq)).sum(-1).clamp(min=0.0)  # rounding can dip below 0
@@ -108,7 +109,7 @@ def compare_to_reference(
         "kl": kl,
         "top1": ref["argmax"] == logits.argmax(-1),
         "nll_full": ref["nll_full"],
-        "nll": -logq.gather(-1, targets[:, None].to(logq.device))[:, 0],
+        "nll": -logq.gather(-1, targets[..., None].to(logq.device))[..., 0],
     }
 
 
@@ -116,7 +117,7 @@ def compare_logits(
     ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """Per position [k]: KL(ref ‖ other), top-1 agreement, NLL of `targets` under both.
-    ref_logits, logits: [k, V] (unnormalised); targets: [k] the true next tokens."""
+    ref_logits, logits: [..., k, V] (unnormalised); targets: [..., k] the true next tokens."""
     return compare_to_reference(reference_stats(ref_logits, targets), logits, targets)
 
 
@@ -273,22 +274,178 @@ def _run_key(run: ReplayRun) -> str:
 
 
 # ---------------------------------------------------------------------- replay
-def _live_per_head(cache: CompressedCache) -> float:
-    layers = [layer for layer in cache.layers if layer.is_initialized]
-    return sum(float(layer.n_valid.double().mean()) for layer in layers) / max(1, len(layers))
-
-
 @dataclass
 class _Lane:
-    """One method's cache advancing through the trace, with its running records."""
+    """One method's cache advancing through the traces (one batch row each), with its records."""
 
     run: ReplayRun
     cache: CompressedCache
     stepwise: bool
     records: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    live_weighted: float = 0.0
+    live_weighted: torch.Tensor | None = None  # [B]
     forwards: int = 0
     seconds: float = 0.0
+
+
+@dataclass
+class _Batch:
+    """Traces laid out as one left-padded batch: every prompt ends at column `prompt_cols`, so
+    column prompt_cols + i is trace position i of every row; shorter rows are padded at the end
+    too (masked, and their positions there are never read)."""
+
+    ids: torch.Tensor  # [B, columns]
+    mask: torch.Tensor | None  # [B, columns] long, None when nothing is padded
+    positions: torch.Tensor | None  # [B, columns] RoPE positions, None when nothing is padded
+    prompt_cols: int
+    lengths: list[int]  # trace positions per row (tokens after the prompt, minus the last)
+
+    def forward(self, model, cache, a: int, b: int, **kwargs):
+        if self.mask is not None:
+            kwargs.update(attention_mask=self.mask[:, :b], position_ids=self.positions[:, a:b])
+        return model(input_ids=self.ids[:, a:b], cache=cache, **kwargs)
+
+
+def _layout(inputs: list[ReplayInput], device) -> _Batch:
+    prompt_cols = max(inp.prompt_len for inp in inputs)
+    trace_cols = max(int(inp.input_ids.shape[1]) - inp.prompt_len for inp in inputs)
+    b, cols = len(inputs), prompt_cols + trace_cols
+    ids = torch.zeros(b, cols, dtype=torch.long)
+    mask = torch.zeros(b, cols, dtype=torch.long)
+    for r, inp in enumerate(inputs):
+        pad = prompt_cols - inp.prompt_len
+        n = int(inp.input_ids.shape[1])
+        ids[r, pad : pad + n] = inp.input_ids[0]
+        mask[r, pad : pad + n - 1] = 1  # a trace's last token is only a target, never fed
+    lengths = [int(inp.input_ids.shape[1]) - inp.prompt_len - 1 for inp in inputs]
+    if bool(mask[:, : prompt_cols + max(lengths)].all()):  # the columns ever fed
+        return _Batch(ids.to(device), None, None, prompt_cols, lengths)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return _Batch(ids.to(device), mask.to(device), positions.to(device), prompt_cols, lengths)
+
+
+def replay_batch(
+    model,
+    inputs: list[ReplayInput],
+    runs: list[ReplayRun],
+    *,
+    block: int = BLOCK,
+    stepwise: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> list[list[ReplayResult]]:
+    """Replay several traces under every run in one pass: the traces form one left-padded
+    batch (each method's cache compresses each row on its own, as if alone), so a forward
+    serves every trace, and all methods share the full-cache reference. Returns
+    results[trace][run]. A row's numbers equal its replay alone up to float rounding of the
+    batched matmuls (tests compare them).
+
+    stepwise=True feeds the method caches one token per forward (the slow reference that the
+    chunk plan must equal); progress(k) is called after each block of k trace columns.
+    Per-row `seconds` is the lane's time divided by the rows (they shared every forward).
+    """
+    if not inputs:
+        raise ValueError("replay needs at least one trace")
+    for inp in inputs:
+        shape = tuple(inp.input_ids.shape)
+        if len(shape) != 2 or shape[0] != 1:
+            raise ValueError(f"{inp.id}: input_ids must be [1, n], got {shape}")
+        if not 1 <= inp.prompt_len < shape[1] - 1:
+            raise ValueError(
+                f"{inp.id}: need 1 <= prompt_len < n - 1 (a trace of at least 2 tokens); "
+                f"got {inp.prompt_len}, n={shape[1]}"
+            )
+    if block <= 0:
+        raise ValueError(f"block must be positive, got {block}")
+    device = next(model.parameters()).device
+    batch = _layout(inputs, device)
+    rows = len(inputs)
+    lanes = []
+    for run in runs:
+        budget = run.budget if get_method(run.method).compresses else None
+        lanes.append(_Lane(run, make_cache(model, run.method, budget, **run.knobs), stepwise))
+    reference = make_cache(model, "full", None)
+    p0 = batch.prompt_cols
+    end = p0 + max(batch.lengths)  # the last column of the longest trace predicts nothing
+    valid_to = torch.tensor([p0 + n for n in batch.lengths])  # [B] first column past each row's positions
+    with torch.no_grad():
+        batch.forward(model, reference, 0, p0, logits_to_keep=1)
+        for lane in lanes:
+            t0 = time.perf_counter()
+            batch.forward(model, lane.cache, 0, p0, logits_to_keep=1)
+            lane.seconds += time.perf_counter() - t0
+            lane.live_weighted = torch.zeros(rows, dtype=torch.float64)
+        for a in range(p0, end, block):
+            b = min(a + block, end)
+            targets = batch.ids[:, a + 1 : b + 1]
+            ref = reference_stats(batch.forward(model, reference, a, b).logits, targets)
+            for lane in lanes:
+                t0 = time.perf_counter()
+                _advance(model, lane, batch, a, b, ref, targets, valid_to)
+                lane.seconds += time.perf_counter() - t0
+            del ref  # [B, block, V] twice: freed before the next block
+            if progress is not None:
+                progress(b - a)
+    results: list[list[ReplayResult]] = [[] for _ in inputs]
+    for lane in lanes:
+        cat = {
+            k: torch.cat([r[k] for r in lane.records], dim=1).cpu() for k in ("kl", "top1", "nll_full", "nll")
+        }
+        events = [e.rows for e in lane.cache.events]
+        for r, inp in enumerate(inputs):
+            n = batch.lengths[r]
+            results[r].append(
+                ReplayResult(
+                    trace_id=inp.id,
+                    run=lane.run,
+                    prompt_len=inp.prompt_len,
+                    **{k: v[r, :n] for k, v in cat.items()},
+                    live_tokens=float(lane.live_weighted[r]) / n,
+                    forwards=lane.forwards,
+                    compressions=sum(1 for e in events if e is None or bool(e[r])),
+                    seconds=lane.seconds / rows,
+                )
+            )
+    return results
+
+
+def _live_per_head(cache: CompressedCache) -> torch.Tensor:
+    """[B] mean over layers and heads of the real tokens each row holds."""
+    layers = [layer for layer in cache.layers if layer.is_initialized]
+    if not layers:
+        return torch.zeros(1, dtype=torch.float64)
+    return sum(layer.n_valid.double().mean(-1).cpu() for layer in layers) / len(layers)
+
+
+def _advance(
+    model,
+    lane: _Lane,
+    batch: _Batch,
+    a: int,
+    b: int,
+    ref: dict[str, torch.Tensor],
+    targets: torch.Tensor,
+    valid_to: torch.Tensor,
+) -> None:
+    """Feed columns [a, b) into the lane's cache in chunks that end at its compression points."""
+    pos = a
+    while pos < b:
+        plan = 1 if lane.stepwise else chunk_plan(lane.cache)
+        k = b - pos if plan is None else min(plan, b - pos)
+        live = _live_per_head(lane.cache)
+        logits = batch.forward(model, lane.cache, pos, pos + k).logits
+        lane.records.append(
+            compare_to_reference(
+                {name: t[:, pos - a : pos - a + k] for name, t in ref.items()},
+                logits,
+                targets[:, pos - a : pos - a + k],
+            )
+        )
+        # The i-th token of the chunk attends to the live cache before it plus i tokens: the
+        # same count as in single-token decoding (compression comes after the chunk). Only a
+        # row's own positions count (not the padding after a shorter trace).
+        k_row = (valid_to - pos).clamp(min=0, max=k).double()
+        lane.live_weighted += k_row * live + k_row * (k_row + 1) / 2
+        lane.forwards += 1
+        pos += k
 
 
 def replay_methods(
@@ -304,85 +461,11 @@ def replay_methods(
 ) -> list[ReplayResult]:
     """Replay one trace (input_ids [1, n], the first `prompt_len` tokens are the prompt)
     under every run in one pass, sharing the full-cache reference. Returns one result per
-    run, in order.
-
-    stepwise=True feeds the method caches one token per forward (the slow reference that
-    the chunk plan must equal); progress(k) is called after each block of k positions.
-    """
+    run, in order (see `replay_batch` for several traces in one pass)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"replay takes one trace at a time: input_ids [1, n], got {tuple(input_ids.shape)}")
-    n = int(input_ids.shape[1])
-    if not 1 <= prompt_len < n - 1:
-        raise ValueError(
-            f"need 1 <= prompt_len < n - 1 (a trace of at least 2 tokens); got {prompt_len}, n={n}"
-        )
-    if block <= 0:
-        raise ValueError(f"block must be positive, got {block}")
-    device = next(model.parameters()).device
-    ids = input_ids.to(device)
-    lanes = []
-    for run in runs:
-        budget = run.budget if get_method(run.method).compresses else None
-        lanes.append(_Lane(run, make_cache(model, run.method, budget, **run.knobs), stepwise))
-    reference = make_cache(model, "full", None)
-    end = n - 1  # the last token predicts nothing
-    with torch.no_grad():
-        model(input_ids=ids[:, :prompt_len], cache=reference, logits_to_keep=1)
-        for lane in lanes:
-            t0 = time.perf_counter()
-            model(input_ids=ids[:, :prompt_len], cache=lane.cache, logits_to_keep=1)
-            lane.seconds += time.perf_counter() - t0
-        for a in range(prompt_len, end, block):
-            b = min(a + block, end)
-            targets = ids[0, a + 1 : b + 1]
-            ref = reference_stats(model(input_ids=ids[:, a:b], cache=reference).logits[0], targets)
-            for lane in lanes:
-                t0 = time.perf_counter()
-                _advance(model, lane, ids, a, b, ref, targets)
-                lane.seconds += time.perf_counter() - t0
-            del ref  # [block, V] twice: freed before the next block
-            if progress is not None:
-                progress(b - a)
-    results = []
-    for lane in lanes:
-        cat = {k: torch.cat([r[k] for r in lane.records]).cpu() for k in ("kl", "top1", "nll_full", "nll")}
-        results.append(
-            ReplayResult(
-                trace_id=trace_id,
-                run=lane.run,
-                prompt_len=prompt_len,
-                **cat,
-                live_tokens=lane.live_weighted / (end - prompt_len),
-                forwards=lane.forwards,
-                compressions=len(lane.cache.events),
-                seconds=lane.seconds,
-            )
-        )
-    return results
-
-
-def _advance(
-    model, lane: _Lane, ids, a: int, b: int, ref: dict[str, torch.Tensor], targets: torch.Tensor
-) -> None:
-    """Feed [a, b) into the lane's cache in chunks that end at its compression points."""
-    pos = a
-    while pos < b:
-        plan = 1 if lane.stepwise else chunk_plan(lane.cache)
-        k = b - pos if plan is None else min(plan, b - pos)
-        live = _live_per_head(lane.cache)
-        logits = model(input_ids=ids[:, pos : pos + k], cache=lane.cache).logits[0]
-        lane.records.append(
-            compare_to_reference(
-                {name: t[pos - a : pos - a + k] for name, t in ref.items()},
-                logits,
-                targets[pos - a : pos - a + k],
-            )
-        )
-        # The i-th token of the chunk attends to the live cache before it plus i tokens: the
-        # same count as in single-token decoding (compression comes after the chunk).
-        lane.live_weighted += k * live + k * (k + 1) / 2
-        lane.forwards += 1
-        pos += k
+    inp = ReplayInput(trace_id, input_ids, prompt_len)
+    return replay_batch(model, [inp], runs, block=block, stepwise=stepwise, progress=progress)[0]
 
 
 def replay_trace(

@@ -27,12 +27,17 @@ a hash of that config (`unit_key`), so a rerun skips exactly the units already w
 The config holds a hash of the item's text (`input_sha`): an edited trace is a new unit.
 
 Tasks. Workers run tasks, not units. An eval task is one unit. A replay task is every
-pending unit of one (model, trace, settings): `replay_methods` teacher-forces the trace
+pending unit of one (model, trace, settings): `replay_batch` teacher-forces the trace
 once and every method shares the full-cache reference (share_reference = false makes each
-unit its own task: finer resume, twice the forwards). A task writes one line per unit
-when it ends; an interrupted task writes nothing, and its units rerun on resume. A
-resumed replay task runs only its missing methods: each method's numbers depend on the
-trace and the shared reference alone, not on which other methods ran beside it.
+unit its own task: finer resume, twice the forwards). batch_traces = true instead makes a
+task of every pending unit of one method ("every-step": of the methods that compress
+every step, the others stay per trace): all the dataset's traces go through as one
+left-padded batch (each row compresses as if alone), so a forward serves every trace;
+the numbers equal a trace's replay alone up to float rounding of batched matmuls.
+A task writes one line per unit when it ends; an interrupted task writes nothing, and its
+units rerun on resume. A resumed replay task runs only its missing methods: each method's
+numbers depend on the trace and the shared reference alone, not on which other methods
+ran beside it.
 
 Results file. The driver alone writes it: each line with one os.write on an O_APPEND
 descriptor, then fsync, under an exclusive flock (a second sweep on the same file is
@@ -73,6 +78,7 @@ import torch
 from reasonkv.api import make_cache
 from reasonkv.models import load_model
 from reasonkv.registry import get_method
+from reasonkv.schedules import EveryStep
 
 KINDS = ("replay", "eval")
 TOP_KEYS = {"kind", "description", "models", "methods", "budgets", "seeds", "settings", "knobs", "datasets"}
@@ -86,6 +92,7 @@ REPLAY_SETTINGS: dict[str, Any] = {
     "ids": None,
     "bin": 128,
     "share_reference": True,
+    "batch_traces": False,
 }
 EVAL_SETTINGS: dict[str, Any] = {
     "limit": None,
@@ -102,7 +109,7 @@ EVAL_SETTINGS: dict[str, Any] = {
 }
 SETTINGS = {"replay": {**COMMON_SETTINGS, **REPLAY_SETTINGS}, "eval": {**COMMON_SETTINGS, **EVAL_SETTINGS}}
 # Settings that pick which items run (not how an item runs): never part of a unit's key.
-_SELECTION = {"limit", "ids", "variant", "data_dir", "hub", "share_reference", "loader"}
+_SELECTION = {"limit", "ids", "variant", "data_dir", "hub", "share_reference", "batch_traces", "loader"}
 
 
 class GridError(ValueError):
@@ -165,6 +172,10 @@ def _check_settings(where: str, values: dict, kind: str) -> None:
         raise GridError(f"{where}: `ids` must be a list of ids")
     if values.get("attn", "sdpa") not in ("sdpa", "eager"):
         raise GridError(f"{where}: `attn` must be sdpa or eager, got {values['attn']!r}")
+    if values.get("batch_traces", False) not in (True, False, "every-step"):
+        raise GridError(
+            f'{where}: `batch_traces` must be true, false or "every-step", got {values["batch_traces"]!r}'
+        )
 
 
 def _resolve_knobs(methods: list[str], raw: dict) -> dict[str, dict[str, Any]]:
@@ -365,6 +376,18 @@ def _runs(grid: Grid) -> list[tuple[str, int | None]]:
     return out
 
 
+def _batches(setting: bool | str, method: str) -> bool:
+    """Does `batch_traces` put this method's traces in one batch? "every-step": only methods
+    whose schedule compresses every step (they replay one token per forward anyway, so a batch
+    of traces costs about one trace; a chunked method's chunks would shrink to the rows'
+    common compression points instead)."""
+    if setting == "every-step":
+        spec = get_method(method)
+        schedule = spec.schedule if isinstance(spec.schedule, type) else type(spec.schedule)
+        return issubclass(schedule, EveryStep)
+    return bool(setting)
+
+
 def expand(grid: Grid) -> list[Unit]:
     """Every unit of the grid, in a fixed order (datasets, models, items, seeds, methods,
     budgets); a unit that two entries describe alike appears once."""
@@ -391,10 +414,17 @@ def expand(grid: Grid) -> list[Unit]:
                         base["loader"] = spec.settings["loader"]
                     share = grid.kind == "replay" and spec.settings["share_reference"]
                     group = unit_key(base) if share else None
+                    every_item = {k: v for k, v in base.items() if k not in ("item", "input_sha")}
                     for method, budget in _runs(grid):
                         config = {**base, "method": method, "budget": budget, "knobs": grid.knobs[method]}
                         key = unit_key(config)
-                        units.setdefault(key, Unit(key, config, group or key, item, spec.source))
+                        unit_group = group or key
+                        if grid.kind == "replay" and _batches(spec.settings["batch_traces"], method):
+                            # one task per method: every trace of the dataset in one batch
+                            unit_group = unit_key(
+                                {**every_item, "method": method, "knobs": grid.knobs[method]}
+                            )
+                        units.setdefault(key, Unit(key, config, unit_group, item, spec.source))
     return list(units.values())
 
 
@@ -585,41 +615,56 @@ def error_record(unit: Unit, err: BaseException, phase: str = "run") -> dict:
 
 
 def _replay_task(model, tokenizer, task: Task) -> list[dict]:
-    from reasonkv.eval.replay import ReplayRun, replay_methods
+    """Replay the task's traces (one, or several as one batch) under its runs in one pass;
+    one record per unit. Units a task does not hold (done before a resume) are not rerun
+    unless the rectangle traces × runs needs them, and then not written again."""
+    from reasonkv.eval.replay import ReplayRun, replay_batch
     from reasonkv.eval.traces import replay_input
 
-    first = task.units[0]
-    c = first.config
-    try:
-        torch.manual_seed(c["seed"])
-        inp = replay_input(tokenizer, first.item, c["max_tokens"])
-    except Exception as err:
-        return [error_record(u, err) for u in task.units]
-    records, runs, runnable = [], [], []
+    c = task.units[0].config
+    records: list[dict] = []
+    inputs, input_of = [], {}
+    for u in task.units:
+        if u.item["id"] in input_of or any(r["key"] == u.key for r in records):
+            continue
+        try:
+            inp = replay_input(tokenizer, u.item, c["max_tokens"])
+        except Exception as err:  # a trace that cannot be replayed fails its units alone
+            records += [error_record(v, err) for v in task.units if v.item["id"] == u.item["id"]]
+            continue
+        input_of[u.item["id"]] = len(inputs)
+        inputs.append(inp)
+    runs: dict[tuple, ReplayRun] = {}
     for u in task.units:
         run = ReplayRun(u.config["method"], u.config["budget"], dict(u.config["knobs"]))
+        if _run_id(run) in runs or u.item["id"] not in input_of:
+            continue
         try:  # a method that cannot run (budget below its protected window) fails alone
             make_cache(model, run.method, run.budget, **run.knobs)
         except Exception as err:
-            records.append(error_record(u, err))
+            records += [error_record(v, err) for v in task.units if _run_id(_run_of(v)) == _run_id(run)]
             continue
-        runs.append(run)
-        runnable.append(u)
-    if not runs:
+        runs[_run_id(run)] = run
+    pending = [u for u in task.units if u.item["id"] in input_of and _run_id(_run_of(u)) in runs]
+    if not pending:
         return records
+    torch.manual_seed(c["seed"])
     start = time.perf_counter()
     try:
-        results = replay_methods(model, inp.input_ids, inp.prompt_len, runs, trace_id=first.item["id"])
+        results = replay_batch(model, inputs, list(runs.values()))
     except Exception as err:
-        if len(runs) == 1:
-            return records + [error_record(runnable[0], err)]
-        # One method broke the shared pass: replay each alone, so only the culprit fails
-        # (a method's numbers are the same alone or shared; see the module doc).
-        for u in runnable:
+        if len(pending) == 1:
+            return records + [error_record(pending[0], err)]
+        # One method or trace broke the shared pass: replay each unit alone, so only the culprit
+        # fails (a unit's numbers are the same alone or shared, up to float rounding).
+        for u in pending:
             records += _replay_task(model, tokenizer, dataclasses.replace(task, units=[u]))
         return records
     wall = time.perf_counter() - start
-    for u, r in zip(runnable, results, strict=True):
+    column = {rid: j for j, rid in enumerate(runs)}
+    for u in pending:
+        inp = inputs[input_of[u.item["id"]]]
+        r = results[input_of[u.item["id"]]][column[_run_id(_run_of(u))]]
         d = r.to_dict(c["bin"])
         metrics = {k: d[k] for k in ("positions", "mean_kl", "top1", "ppl_ratio", "nll", "nll_full")}
         metrics.update(
@@ -631,9 +676,24 @@ def _replay_task(model, tokenizer, task: Task) -> list[dict]:
             sums=r.sums(),
             curve=d["curve"],
         )
-        timings = {"seconds": r.seconds, "task_seconds": wall, "task_units": len(runs)}
+        timings = {
+            "seconds": r.seconds,
+            "task_seconds": wall,
+            "task_units": len(pending),
+            "task_traces": len(inputs),
+        }
         records.append(_record(u, "ok", metrics=metrics, timings=timings, source=u.source, finished=_now()))
     return records
+
+
+def _run_of(u: Unit):
+    from reasonkv.eval.replay import ReplayRun
+
+    return ReplayRun(u.config["method"], u.config["budget"], dict(u.config["knobs"]))
+
+
+def _run_id(run) -> tuple:
+    return (run.method, run.budget, json.dumps(run.knobs, sort_keys=True))
 
 
 def _eval_task(model, tokenizer, task: Task) -> list[dict]:
