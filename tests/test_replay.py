@@ -346,6 +346,28 @@ def test_replay_command_writes_results_table_and_plot(loader, tmp_path) -> None:
     assert "snapkv" in result.stdout and "ppl ratio" in result.stdout
 
 
+def test_replay_command_batch_equals_one_by_one(loader, tmp_path) -> None:
+    """--batch replays both traces as one batch: the same rows, numbers equal to float rounding."""
+    traces = tmp_path / "t.jsonl"
+    write_traces(traces)
+    args = ["replay", "--traces", str(traces), "--model", "tiny", "--methods", "snapkv,streaming"]
+    args += ["--budgets", "16", "--set", "interval=8", "--max-tokens", "90"]
+    records = []
+    for mode in ("--one-by-one", "--batch"):
+        out = tmp_path / f"{mode}.json"
+        result = runner.invoke(replay_app(), [*args, "--out", str(out), mode], env=WIDE)
+        assert result.exit_code == 0, result.output
+        records.append(json.loads(out.read_text()))
+    one, batched = records
+    assert batched["command"].endswith("--batch")
+    pairs = zip(one["per_trace"], batched["per_trace"], strict=True)
+    assert len(one["per_trace"]) == 4
+    for a, b in sorted(pairs, key=lambda ab: (ab[0]["trace"], ab[0]["method"])):
+        assert (a["trace"], a["method"], a["positions"]) == (b["trace"], b["method"], b["positions"])
+        assert a["compressions"] == b["compressions"]
+        assert b["mean_kl"] == pytest.approx(a["mean_kl"], rel=1e-4, abs=1e-6)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -19,7 +19,15 @@ from rich.table import Table
 
 from reasonkv.api import make_cache
 from reasonkv.demo import quiet_loading, set_threads
-from reasonkv.eval.replay import BIN, BLOCK, ReplayRun, plot_fidelity, replay_methods, summarize
+from reasonkv.eval.replay import (
+    BIN,
+    BLOCK,
+    ReplayRun,
+    plot_fidelity,
+    replay_batch,
+    replay_methods,
+    summarize,
+)
 from reasonkv.eval.traces import load_traces, replay_input
 from reasonkv.models import DEFAULT_MODEL, load_model
 from reasonkv.registry import get_method
@@ -109,6 +117,14 @@ def replay_command(
     per_position: Annotated[
         bool, typer.Option("--per-position", help="Also store every position's numbers in the JSON.")
     ] = False,
+    batch: Annotated[
+        bool,
+        typer.Option(
+            "--batch/--one-by-one",
+            help="Replay all traces as one left-padded batch (one forward serves every trace; "
+            "equal to one by one up to float rounding).",
+        ),
+    ] = False,
 ) -> None:
     """Teacher-force reasoning traces and measure each method's fidelity to the full cache:
     mean KL(full‖method), top-1 agreement and perplexity ratio, overall and by position."""
@@ -142,23 +158,22 @@ def replay_command(
     except (CliError, ValueError, FileNotFoundError) as err:
         fail(str(err))
 
-    total = sum(int(i.input_ids.shape[1]) - 1 - i.prompt_len for i in inputs)
+    lengths = [int(i.input_ids.shape[1]) - 1 - i.prompt_len for i in inputs]
+    total = max(lengths) if batch else sum(lengths)
     results = []
     start = time.perf_counter()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err_console) as progress:
-        task = progress.add_task(
-            f"replaying {len(inputs)} traces × {len(runs)} runs (positions)", total=total
-        )
-        for inp in inputs:
+        what = "trace columns" if batch else "positions"
+        task = progress.add_task(f"replaying {len(inputs)} traces × {len(runs)} runs ({what})", total=total)
+        advance = lambda k: progress.advance(task, k)  # noqa: E731
+        if batch:
+            for per_trace in replay_batch(model, inputs, runs, progress=advance):
+                results += per_trace
+        for inp in inputs if not batch else []:
             progress.update(task, description=f"replaying {inp.id}")
             results += replay_methods(
-                model,
-                inp.input_ids,
-                inp.prompt_len,
-                runs,
-                trace_id=inp.id,
-                progress=lambda k: progress.advance(task, k),
+                model, inp.input_ids, inp.prompt_len, runs, trace_id=inp.id, progress=advance
             )
     wall = time.perf_counter() - start
     summary = summarize(results, bin_size)
@@ -171,6 +186,7 @@ def replay_command(
         parts += ["--set", item]
     parts += ["--plot", plot] if plot is not None else []
     parts += ["--per-position"] if per_position else []
+    parts += ["--batch"] if batch else []
     record = {
         "kind": "replay",
         "model": model_name,
