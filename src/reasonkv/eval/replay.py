@@ -8,7 +8,8 @@ under both (their mean difference gives the perplexity ratio).
 One pass per trace serves every method: the full cache advances block by block (256
 tokens), its log-probs and probs for the block are kept (2 × [block, vocab] float32,
 ~100 MB for a 49K vocabulary) while each method's cache advances through the same block,
-then discarded. Nothing of size [trace, vocab] is ever stored, and the reference costs one
+then discarded. Several traces can go as one left-padded batch (`replay_batch`: each row
+compresses as if alone); blocks then narrow to block // rows columns (at least 32). Nothing of size [trace, vocab] is ever stored, and the reference costs one
 forward per block however many methods share it.
 
 Each method's cache is fed in chunks that end exactly where step-by-step decoding would
@@ -35,6 +36,8 @@ BLOCK = 256
 """Reference block (and the chunk of never-compressing caches): tokens per full-cache forward."""
 BIN = 128
 """Default width, in trace tokens, of the position bins of the curves."""
+COMPARE_ROWS = 64
+"""Positions compared at a time (temporaries of COMPARE_ROWS × vocabulary floats)."""
 
 
 # ------------------------------------------------------------------ chunk plan
@@ -102,14 +105,25 @@ def compare_to_reference(
     ref: dict[str, torch.Tensor], logits: torch.Tensor, targets: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """Per position [..., k]: KL(full ‖ this), top-1 agreement, NLL of `targets` under both.
-    Exactly 0 KL when the logits are bitwise the reference's (same log-softmax, zero differences)."""
-    logq = torch.log_softmax(logits.to(ref["logp"].dtype), dim=-1)
-    kl = (ref["p"] * (ref["logp"] - logq)).sum(-1).clamp(min=0.0)  # rounding can dip below 0
+    Exactly 0 KL when the logits are bitwise the reference's (same log-softmax, zero differences).
+    Computed COMPARE_ROWS positions at a time, so the [positions, V] temporaries of a large
+    batch chunk stay small."""
+    shape, vocab = logits.shape[:-1], logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    p, logp = ref["p"].reshape(-1, vocab), ref["logp"].reshape(-1, vocab)
+    flat_targets = targets.reshape(-1, 1).to(logits.device)
+    kl = torch.empty(flat.shape[0], dtype=logp.dtype, device=logits.device)
+    nll = torch.empty_like(kl)
+    for a in range(0, flat.shape[0], COMPARE_ROWS):
+        sl = slice(a, a + COMPARE_ROWS)
+        logq = torch.log_softmax(flat[sl].to(logp.dtype), dim=-1)
+        kl[sl] = (p[sl] * (logp[sl] - logq)).sum(-1)
+        nll[sl] = -logq.gather(-1, flat_targets[sl])[:, 0]
     return {
-        "kl": kl,
+        "kl": kl.clamp(min=0.0).reshape(shape),  # rounding can dip below 0
         "top1": ref["argmax"] == logits.argmax(-1),
         "nll_full": ref["nll_full"],
-        "nll": -logq.gather(-1, targets[..., None].to(logq.device))[..., 0],
+        "nll": nll.reshape(shape),
     }
 
 
@@ -364,6 +378,8 @@ def replay_batch(
         lanes.append(_Lane(run, make_cache(model, run.method, budget, **run.knobs), stepwise))
     reference = make_cache(model, "full", None)
     p0 = batch.prompt_cols
+    # The reference keeps 2 × [rows, block, V] floats per block: a batch takes narrower blocks.
+    block = max(min(block, 32), block // rows)
     end = p0 + max(batch.lengths)  # the last column of the longest trace predicts nothing
     valid_to = torch.tensor([p0 + n for n in batch.lengths])  # [B] first column past each row's positions
     with torch.no_grad():
