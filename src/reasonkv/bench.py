@@ -39,13 +39,14 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from reasonkv.api import make_cache
 from reasonkv.cache import CompressedCache
+from reasonkv.eval.replay import ReplayRun
 from reasonkv.registry import get_method
 
 SAMPLE_EVERY = 32
@@ -60,17 +61,8 @@ Progress = Callable[[int], None]
 
 
 # ----------------------------------------------------------------------- runs
-@dataclass(frozen=True)
-class BenchRun:
-    """One setting to measure: method, budget (None for `full`), knobs."""
-
-    method: str
-    budget: int | None = None
-    knobs: dict = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        return self.method if self.budget is None else f"{self.method}@{self.budget}"
+BenchRun = ReplayRun
+"""One setting to measure: method, budget (None for `full`), knobs (the replay's run type)."""
 
 
 def plan_runs(methods: Iterable[str], budgets: Iterable[int], knobs: dict | None = None) -> list[BenchRun]:

@@ -140,7 +140,7 @@ def bench_command(
                 f"(2 × --profile-steps after it); the longest length is {length_list[-1]}"
             )
         checked = build_runs(method_names, budget_list, parse_sets(sets))  # names, knobs: before loading
-        runs = [bench.BenchRun(r.method, r.budget, r.knobs) for r in checked]
+        runs = list(checked)
         if all(r.method != "full" for r in runs):
             runs.insert(0, bench.BenchRun("full"))
         runs.sort(key=lambda r: r.method != "full")  # full first: every ratio is to it

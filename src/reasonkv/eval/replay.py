@@ -9,8 +9,9 @@ One pass per trace serves every method: the full cache advances block by block (
 tokens), its log-probs and probs for the block are kept (2 × [block, vocab] float32,
 ~100 MB for a 49K vocabulary) while each method's cache advances through the same block,
 then discarded. Several traces can go as one left-padded batch (`replay_batch`: each row
-compresses as if alone); blocks then narrow to block // rows columns (at least 32). Nothing of size [trace, vocab] is ever stored, and the reference costs one
-forward per block however many methods share it.
+compresses as if alone); blocks then narrow to block // rows columns (at least 32).
+Nothing of size [trace, vocab] is ever stored, and the reference costs one forward per
+block however many methods share it.
 
 Each method's cache is fed in chunks that end exactly where step-by-step decoding would
 compress (`chunk_plan`): between compressions nothing is evicted, so a chunked forward
