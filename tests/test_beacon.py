@@ -431,6 +431,8 @@ def test_repeated_token_gives_one_beacon_per_query_head() -> None:
         model(input_ids=torch.full((1, 60), 5), cache=cache)
         for _ in range(5):
             model(input_ids=torch.full((1, 1), 5), cache=cache)
+    policy = cache.policy
+    policy.scorer.flush(cache.layers[0].extras, policy.rope_inv_freq, policy.rope_attention_scaling)
     # Identical tokens give identical values, so every layer sees one hidden state per token.
     for layer in cache.layers:
         assert layer.extras["beacon_count"].tolist() == [[2, 2]]
@@ -483,3 +485,52 @@ def test_beaconkv_padded_batch_equals_rows_alone() -> None:
                 c.policy.scorer.flush(lay.extras, c.policy.rope_inv_freq, c.policy.rope_attention_scaling)
             assert torch.equal(lb.extras["beacon_count"][r], la.extras["beacon_count"][0])
             torch.testing.assert_close(lb.extras["beacons"][r], la.extras["beacons"][0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("upkeep_every", [4, 32])
+def test_all_layers_fed_in_one_pass_equal_each_layer_fed_alone(monkeypatch, upkeep_every: int) -> None:
+    """Inside a cache the layers' queues are fed together (buffers stacked, a shorter queue
+    padded with invalid points); a cache whose layers are each their own group feeds them one
+    by one. Same tokens, same kept slots, same beacons, in a padded GQA batch with eviction,
+    and the queues really wait for the last layer (every layer's is empty after a batched
+    pass). A prompt past QUEUE_LIMIT is fed at once, alone."""
+    import reasonkv.policies.beacon as beacon
+
+    monkeypatch.setattr(beacon, "QUEUE_LIMIT", 33)  # the 34 prompt queries leaving: fed alone
+    model = tiny_model("qwen2", "sdpa", 2)
+    prompts = [random_prompt(n, seed=60 + n)[0] for n in (50, 27)]
+    ids, mask = left_pad(prompts)
+    kw = dict(max_new_tokens=70, do_sample=False)
+    grouped = make_cache(model, "beaconkv", 32, upkeep_every=upkeep_every)
+    alone = make_cache(model, "beaconkv", 32, upkeep_every=upkeep_every)
+    for layer in alone.layers:
+        layer.shared = {}
+    passes: list[int] = []  # layers fed per pass
+    feed = beacon.BeaconKVScorer._feed
+
+    def spy(self, members, *args):
+        if members:
+            passes.append(len(members))
+            if len(members) == len(grouped.layers):  # a batched pass empties every queue
+                assert all(m.get("pending") for m in members)
+        return feed(self, members, *args)
+
+    monkeypatch.setattr(beacon.BeaconKVScorer, "_feed", spy)
+    out_g = model.generate(ids, attention_mask=mask, cache=grouped, **kw)
+    passes_g, passes[:] = list(passes), []
+    out_a = model.generate(ids, attention_mask=mask, cache=alone, **kw)
+    assert torch.equal(out_g, out_a)
+    n_layers = len(grouped.layers)
+    assert passes_g[:n_layers] == [1] * n_layers  # the prompt's queries, layer by layer
+    assert passes_g.count(n_layers) >= 2 and set(passes) == {1}
+    for lay in grouped.layers:
+        assert lay.extras["pending_count"] < 2 * upkeep_every
+    assert len(grouped.events) > 20
+    for lg, la in zip(grouped.layers, alone.layers, strict=True):
+        assert torch.equal(lg.token_index, la.token_index)
+    for c in (grouped, alone):
+        for lay in c.layers:
+            c.policy.scorer.flush(lay.extras, c.policy.rope_inv_freq, c.policy.rope_attention_scaling)
+    for lg, la in zip(grouped.layers, alone.layers, strict=True):
+        assert torch.equal(lg.extras["beacon_count"], la.extras["beacon_count"])
+        torch.testing.assert_close(lg.extras["beacons"], la.extras["beacons"], atol=1e-5, rtol=1e-5)

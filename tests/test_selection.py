@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from reasonkv.policies.base import EMPTY
-from reasonkv.policies.selection import protected_mask, select_tokens
+from reasonkv.policies.selection import evict_one, protected_mask, select_tokens
 
 
 def random_token_index(gen: torch.Generator, b: int, h: int, t: int, empty_p: float) -> torch.Tensor:
@@ -161,3 +161,37 @@ def test_keep_above_the_real_count_keeps_every_real_token() -> None:
     assert new_len.tolist() == [[3, 5]]
     assert slots[0, 0].tolist() == [1, 2, 4, 5, 5]
     assert slots[0, 1].tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_evict_one_drops_what_select_tokens_drops(seed: int) -> None:
+    """The every-step fast path: a head that keeps all but one of its real tokens gives up the
+    one slot select_tokens would not keep (ties among low scores are common here); a head
+    that keeps everything, or has only protected tokens, gives up none (slot T)."""
+    gen = torch.Generator().manual_seed(3000 + seed)
+    b, h, t = 2, 4, int(torch.randint(2, 40, (1,), generator=gen))
+    index = random_token_index(gen, b, h, t, empty_p=0.3)
+    scores = torch.randint(0, 3, (b, h, t), generator=gen).float().masked_fill(index == EMPTY, -5.0)
+    protected = protected_mask(index, int(torch.randint(0, 3, (1,), generator=gen)), 2)
+    n_valid = (index != EMPTY).sum(-1)
+    evict = (torch.rand(b, h, generator=gen) < 0.7) & (n_valid > protected.sum(-1))
+    keep = n_valid - evict.long()
+
+    victim = evict_one(scores, index, protected, evict)
+
+    slots, new_len = select_tokens(scores, index, keep, protected)
+    for i in range(b):
+        for j in range(h):
+            real = {s for s in range(t) if index[i, j, s] != EMPTY}
+            dropped = real - set(slots[i, j, : int(new_len[i, j])].tolist())
+            assert dropped == ({int(victim[i, j, 0])} if evict[i, j] else set())
+            if not evict[i, j]:
+                assert int(victim[i, j, 0]) == t
+    only_protected = torch.arange(4).view(1, 1, 4)
+    none = evict_one(
+        torch.zeros(1, 1, 4),
+        only_protected,
+        torch.ones(1, 1, 4, dtype=torch.bool),
+        torch.ones(1, 1, dtype=torch.bool),
+    )
+    assert none.tolist() == [[[4]]]

@@ -11,8 +11,8 @@ selection and compaction cost. Per run we record
 - the process RSS (sampled) and its peak (per run only when runs go one after the other),
 - the time spent inside the cache's own work, by wrapping from outside (the cache is not
   modified): `score`, `on_step`, the head split (scoring), `compress` (selection, with
-  `_compact` the gather into fresh storage, `_evict_in_place` the holes every-step
-  schedules leave between compactions), `update` (the K/V write), `attention_mask`,
+  `_compact` the gather into fresh storage, `_evict_in_place` / `_evict_slot` the holes
+  every-step schedules leave between compactions), `update` (the K/V write), `attention_mask`,
   and `after_attention` (all of the post-attention work, window upkeep included),
 - top-1 agreement of each step's argmax with the reference's next token (a free fidelity check),
 
@@ -147,6 +147,7 @@ def instrument(cache: CompressedCache, timer: SectionTimer) -> None:
         layer.compress = timer.wrap("compress", layer.compress)
         layer._compact = timer.wrap("compact", layer._compact)
         layer._evict_in_place = timer.wrap("holes", layer._evict_in_place)
+        layer._evict_slot = timer.wrap("holes", layer._evict_slot)  # one token a head: the fast path
     cache.after_attention = timer.wrap("after_attention", cache.after_attention)
 
 

@@ -30,7 +30,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from reasonkv.policies.base import EMPTY, Observation, Scorer
-from reasonkv.policies.selection import protected_mask, select_tokens
+from reasonkv.policies.selection import evict_one, protected_mask, select_tokens
 from reasonkv.schedules import Schedule
 
 GROWTH_CHUNK = 256
@@ -61,6 +61,8 @@ class LayerPolicy:
       forward's queries only (every one of them, whatever `window` is); `layer.queries` etc.
       still hold the previous window. A scorer that must see every query (H2O, BeaconKV) does
       so here, never by asking for a huge window; it must not modify the window itself.
+      `layer.shared` is one dict for all layers of the cache (cleared on reset), for work
+      batched across layers.
     """
 
     scorer: Scorer
@@ -87,11 +89,16 @@ class CompressedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, layer_idx: int, budgets: torch.Tensor, policy: LayerPolicy):
+    def __init__(
+        self, layer_idx: int, budgets: torch.Tensor, policy: LayerPolicy, shared: dict | None = None
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         self.budgets = budgets.clone()  # [H] per-head budget of this layer
         self.policy = policy
+        # One dict for all layers of a cache: scorers batch work across layers through it
+        # (BeaconKV feeds every layer's beacon buffers in one pass).
+        self.shared = {} if shared is None else shared
         self._reset_state()
 
     # ------------------------------------------------------------------ state
@@ -117,6 +124,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self._reset_state()
+        self.shared.clear()  # it refers to the layers' old extras
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -329,12 +337,29 @@ class CompressedLayer(CacheLayerMixin):
         protected = protected_mask(
             index, policy.n_sink, policy.n_recent, self.prompt_end if policy.protect_prompt else None
         )
+        room = self.used + self._slack() <= self.keys.shape[2]
+        if self._hole_slots and room:
+            # An every-step schedule's usual step: each head drops at most one token, and the
+            # holes still fit. Find it by argmin instead of ranking every token.
+            drop = (self.n_valid - keep).clamp(min=0)
+            most_dropped, longest = torch.stack([drop.max(), (self.n_valid - drop).max()]).tolist()
+            if most_dropped <= 1 and self.used - longest <= self._hole_slots:
+                self._evict_slot(evict_one(scores, index, protected, drop > 0))
+                return
         slots, new_len = select_tokens(scores, index, keep, protected)
         holes = self.used - slots.shape[-1]  # slots not kept by the longest head
-        if holes <= self._hole_slots and self.used + self._slack() <= self.keys.shape[2]:
+        if holes <= self._hole_slots and room:
             self._evict_in_place(slots, new_len)
         else:
             self._compact(slots, new_len)
+
+    def _evict_slot(self, victim: torch.Tensor) -> None:
+        """Make slot victim[b, h, 0] of each head a hole (victim = used: none)."""
+        self.token_index.scatter_(2, victim, EMPTY)  # slot `used` is spare capacity, EMPTY already
+        self.n_valid = self.n_valid - (victim[..., 0] < self.used).long()
+        self.valid_upper = int(self.n_valid.sum(-1).max())
+        self.holes = True
+        self.dense = False
 
     def _evict_in_place(self, slots: torch.Tensor, new_len: torch.Tensor) -> None:
         """Make every slot not in `slots` a hole (EMPTY); storage and the other slots stay put."""
@@ -453,7 +478,8 @@ class CompressedCache(Cache):
     ):
         if budgets.dim() != 2:
             raise ValueError(f"budgets must be [layers, kv_heads], got shape {tuple(budgets.shape)}")
-        layers = [CompressedLayer(i, budgets[i], policy) for i in range(budgets.shape[0])]
+        shared: dict = {}
+        layers = [CompressedLayer(i, budgets[i], policy, shared) for i in range(budgets.shape[0])]
         super().__init__(layers=layers)
         self.policy = policy
         self.method = method

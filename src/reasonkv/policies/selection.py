@@ -54,3 +54,19 @@ def select_tokens(
     rank = torch.arange(k, device=scores.device)
     top = torch.where(rank < new_len[..., None], top, torch.full_like(top, t))
     return top.sort(dim=-1).values, new_len
+
+
+def evict_one(
+    scores: torch.Tensor, token_index: torch.Tensor, protected: torch.Tensor, evict: torch.Tensor
+) -> torch.Tensor:
+    """The slot [B, H, 1] of the one token each head in `evict` [B, H] gives up: its lowest-
+    scoring unprotected real token, the oldest among equals. Heads not in `evict`, or with
+    nothing unprotected to give, get slot T.
+
+    What `select_tokens` drops when a head keeps all but one of its tokens (an every-step
+    schedule's usual step), without sorting: argmin returns the first minimum, and slots are
+    in positional order, so ties go against the older token exactly as there.
+    """
+    s = scores.float().masked_fill(protected | (token_index == EMPTY), float("inf"))
+    lowest, victim = s.min(-1, keepdim=True)
+    return victim.masked_fill(~evict[..., None] | (lowest == float("inf")), scores.shape[-1])
