@@ -7,7 +7,8 @@ identical token streams:
 
 1. `--role reasonkv` (the main venv): tokenizes the traces (chat template, as `reasonkv
    replay`), then teacher-forces them token by token through the full cache and each of
-   our methods (`--ours`, default snapkv) at budget `--target`, interval `--interval`.
+   our methods (`--ours`, default snapkv) at budget `--target`, interval `--interval`
+   (`--ours beaconkv:budget=208` gives one method its own budget).
 2. `--role kvpress` (the kvpress venv): the same token ids, token by token, with explicit
    absolute `position_ids` as kvpress's own pipeline passes them, through a DynamicCache
    with no press and with `DecodingPress(SnapKVPress(), compression_interval, target_size)`
@@ -214,10 +215,13 @@ def worker_reasonkv(job: dict, result_path: Path) -> None:
         for item in filter(None, rest.split(":")):
             key, _, value = item.partition("=")
             knobs[key] = _auto(value)
-        runs.append({"name": spec, "label": f"reasonkv {spec}", "method": method, "knobs": knobs})
+        budget = knobs.pop("budget", job["target"])  # e.g. to match kvpress's mean live tokens
+        runs.append(
+            {"name": spec, "label": f"reasonkv {spec}", "method": method, "knobs": knobs, "budget": budget}
+        )
 
     def make_forward(run):
-        budget = None if run["method"] == "full" else job["target"]
+        budget = None if run["method"] == "full" else run["budget"]
         cache = make_cache(model, run["method"], budget, **run["knobs"])
 
         def forward(ids, start):
@@ -409,7 +413,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--ours",
         default="snapkv",
-        help="our methods, comma-separated; knobs as method:key=value:key=value (interval is --interval)",
+        help="our methods, comma-separated; knobs as method:key=value:key=value (interval is --interval; "
+        "budget=N replaces --target for that method)",
     )
     p.add_argument("--presses", default="snapkv,snapkv-own-rope", help=f"kvpress bases of {PRESSES}")
     p.add_argument("--threads", type=int, default=1)

@@ -63,6 +63,9 @@ class LayerPolicy:
       so here, never by asking for a huge window; it must not modify the window itself.
       `layer.shared` is one dict for all layers of the cache (cleared on reset), for work
       batched across layers.
+    - `select_rows(extras, rows)` (optional, on the scorer, the schedule and the head
+      allocator): reorder/duplicate the per-row state each keeps in `layer.extras` to the
+      batch rows `rows` [B'] (beam search, `batch_select_indices`); the cache reorders its own.
     """
 
     scorer: Scorer
@@ -428,6 +431,12 @@ class CompressedLayer(CacheLayerMixin):
             if t is not None:
                 setattr(self, name, t.index_select(0, rows.to(t.device)))
         self.state = {n: t.index_select(0, rows.to(t.device)) for n, t in self.state.items()}
+        # Per-row scorer/schedule/allocator state in `extras` is theirs to reorder (some of it
+        # is per head, not per row, so the cache cannot tell which tensors to index).
+        for part in (self.policy.scorer, self.policy.schedule, self.policy.head_allocator):
+            select = getattr(part, "select_rows", None)
+            if select is not None:
+                select(self.extras, rows.to(self.device))
         if self.lengths is not None:
             self.batch_size = self.lengths.shape[0]
 

@@ -128,7 +128,7 @@ class PeriodicRatio(Schedule):
     in which case P = interval and P/c = interval // ratio (the budget then only needs to be
     positive). One P per layer (its largest head budget). Counts assume the prompt is kept
     (protect_prompt, the rpc default); per-row state lives in `layer.extras`, so rows may be
-    at different compression counts, but beam reordering of rows is not supported.
+    at different compression counts, and follows the rows when beam search reorders them.
     """
 
     name: str = "periodic"
@@ -161,6 +161,14 @@ class PeriodicRatio(Schedule):
     def describe(self) -> str:
         p = "budget·ratio" if self.interval is None else str(self.interval)
         return f"periodic(every P={p} tokens keep P/{self.ratio:g})"
+
+    def select_rows(self, extras: dict, rows: torch.Tensor) -> None:
+        st = extras.get(self._KEY)
+        if st is None:
+            return
+        st.prompt, st.done = st.prompt.index_select(0, rows), st.done.index_select(0, rows)
+        st.rows = None if st.rows is None else st.rows.index_select(0, rows)
+        st.min_done = int(st.done.min())  # gen_upper, a max over rows, stays an upper bound
 
     def _state(self, layer) -> _PeriodicState:
         st = layer.extras.get(self._KEY)

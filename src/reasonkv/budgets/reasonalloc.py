@@ -169,6 +169,11 @@ class EntropyHeadSplit:
     ema: float = 0.5
     prefer: Literal["focused", "diffuse"] = "focused"
 
+    def select_rows(self, extras: dict, rows: torch.Tensor) -> None:
+        """Follow the cache's rows (beam search): the running utility is per row."""
+        if isinstance(extras.get("reasonalloc_utility"), torch.Tensor):
+            extras["reasonalloc_utility"] = extras["reasonalloc_utility"].index_select(0, rows)
+
     def split(
         self,
         layer_total: torch.Tensor,

@@ -269,6 +269,13 @@ class BeaconKVScorer:
             torch.cat([p[2] for p in pending], dim=1),
         )
 
+    def select_rows(self, extras: dict, rows: torch.Tensor) -> None:
+        """Follow the cache's rows (beam search): the buffers, their counts and the queue."""
+        for key in ("beacons", "beacon_count"):
+            if key in extras:
+                extras[key] = extras[key].index_select(0, rows)
+        extras["pending"] = [tuple(t.index_select(0, rows) for t in p) for p in extras.get("pending", [])]
+
     # ------------------------------------------------------------------ scoring
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         if obs.extras is not None:

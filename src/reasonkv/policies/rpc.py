@@ -37,6 +37,10 @@ class RPCScorer:
         if "prompt_end" not in layer.extras:
             layer.extras["prompt_end"] = layer.prompt_end
 
+    def select_rows(self, extras: dict, rows: torch.Tensor) -> None:
+        if "prompt_end" in extras:
+            extras["prompt_end"] = extras["prompt_end"].index_select(0, rows)
+
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         logits = grouped_logits(obs.queries, keys, obs.scaling)  # [B, H, G, W, T]
         allowed = candidate_mask(obs, exclude_last=self.window)  # [B, H, 1, W, T]
