@@ -237,7 +237,9 @@ def markdown_table(section: Section) -> str:
 # ----------------------------------------------------------------------- plots
 def plot_section(section: Section, path: str | Path) -> Path:
     """Metric vs budget, one line per method; a method without a budget (full) is a
-    dashed horizontal line. Replay: mean KL and top-1; eval: pass@1 and mean length."""
+    dashed horizontal line. Replay: mean KL and top-1, and a third panel of mean KL vs the
+    live tokens per head, since methods hold different numbers of tokens at one budget
+    (equal budget is not equal memory); eval: pass@1 and mean length."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,13 +249,17 @@ def plot_section(section: Section, path: str | Path) -> Path:
         panels = [("mean_kl", "mean KL(full ‖ method) [nats]"), ("top1", "top-1 agreement with full")]
     else:
         panels = [("pass@1", "pass@1"), ("mean_length", "mean generated length [tokens]")]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(
+        1,
+        len(panels) + (section.kind == "replay"),
+        figsize=(5.5 * len(panels) + 5.5 * (section.kind == "replay"), 4),
+    )
     by_method: dict[str, list[dict]] = {}
     for row in section.rows:
         if row["units"] > row["errors"]:
             by_method.setdefault(row["name"], []).append(row)
     budgets = sorted({r["budget"] for r in section.rows if r["budget"] is not None})
-    for ax, (metric, ylabel) in zip(axes, panels, strict=True):
+    for ax, (metric, ylabel) in zip(axes, panels, strict=False):
         for name, rows in by_method.items():
             flat = [r for r in rows if r["budget"] is None and r[metric] is not None]
             points = [
@@ -270,10 +276,27 @@ def plot_section(section: Section, path: str | Path) -> Path:
         ax.set_xlabel("budget (KV tokens per head)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    if section.kind == "replay":  # KL spans decades and is 0 for full: log above 1e-3, linear below
-        axes[0].set_yscale("symlog", linthresh=1e-3)
+    if section.kind == "replay":
+        live_ax = axes[2]
+        for name, rows in by_method.items():
+            points = sorted(
+                (r["live_tokens"], r["mean_kl"])
+                for r in rows
+                if r["live_tokens"] is not None and r["mean_kl"] is not None
+            )
+            if points:
+                style = {"ls": "none", "color": "grey"} if all(r["budget"] is None for r in rows) else {}
+                live_ax.plot(
+                    [x for x, _ in points], [y for _, y in points], marker="o", ms=4, label=name, **style
+                )
+        live_ax.set_xscale("log", base=2)
+        live_ax.set_xlabel("live KV tokens per head (mean over positions)")
+        live_ax.set_ylabel(panels[0][1])
+        live_ax.grid(alpha=0.3)
         top = max((r["mean_kl"] for r in section.rows if r["mean_kl"] is not None), default=0.0)
-        axes[0].set_ylim(0, max(top * 2, 1e-2))
+        for ax in (axes[0], live_ax):  # KL spans decades and is 0 for full: log above 1e-3, linear below
+            ax.set_yscale("symlog", linthresh=1e-3)
+            ax.set_ylim(0, max(top * 2, 1e-2))
     axes[1].legend(fontsize=7, ncol=2)
     fig.suptitle(section.title)
     fig.tight_layout()
