@@ -155,7 +155,8 @@ class BeaconKVScorer:
         `recent` leave, rotated back to pre-RoPE (padding queries never enter). The cache then
         keeps the newest `recent` as its window. State in `layer.extras`: beacons [B, H, M, D]
         (pre-RoPE, fp32, arrival order), beacon_count [B, H], and the queue of leaving queries
-        not yet fed (`pending`, flushed every `upkeep_every` queries and before scoring).
+        not yet fed (`pending`: fed when every layer's queue holds `upkeep_every`, all layers in
+        one pass, and before scoring).
         """
         previous = 0 if layer.queries is None else layer.queries.shape[2]
         n_out = previous + step.queries.shape[2] - self.recent
