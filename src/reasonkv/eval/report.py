@@ -249,11 +249,8 @@ def plot_section(section: Section, path: str | Path) -> Path:
         panels = [("mean_kl", "mean KL(full ‖ method) [nats]"), ("top1", "top-1 agreement with full")]
     else:
         panels = [("pass@1", "pass@1"), ("mean_length", "mean generated length [tokens]")]
-    fig, axes = plt.subplots(
-        1,
-        len(panels) + (section.kind == "replay"),
-        figsize=(5.5 * len(panels) + 5.5 * (section.kind == "replay"), 4),
-    )
+    n_axes = len(panels) + (section.kind == "replay")  # replay adds KL vs live tokens
+    fig, axes = plt.subplots(1, n_axes, figsize=(5.5 * n_axes, 4))
     by_method: dict[str, list[dict]] = {}
     for row in section.rows:
         if row["units"] > row["errors"]:

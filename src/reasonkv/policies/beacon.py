@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from reasonkv.policies.base import Observation, candidate_mask, grouped_logits, masked_softmax, pool_tokens
 from reasonkv.policies.rope import apply_rope, unapply_rope
@@ -39,16 +40,6 @@ instead of holding it until every layer's queue is due."""
 
 def _units(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True).clamp(min=1e-12)
-
-
-def _pad_to(x: torch.Tensor, n: int, dim: int, fill: float) -> torch.Tensor:
-    """x extended along `dim` to length n with `fill` (x itself when already that long)."""
-    short = n - x.shape[dim]
-    if short == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = short
-    return torch.cat([x, x.new_full(shape, fill)], dim)
 
 
 def farthest_point_sample(points: torch.Tensor, m: int, seed: torch.Tensor | int) -> torch.Tensor:
@@ -237,9 +228,10 @@ class BeaconKVScorer:
             raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
         queues = [self._take_queue(m) for m in members]
         n = max(q[0].shape[2] for q in queues)
-        leaving = torch.cat([_pad_to(q[0], n, 2, 0.0) for q in queues])
-        index = torch.cat([_pad_to(q[1], n, 1, -1) for q in queues])
-        positions = torch.cat([_pad_to(q[2], n, 1, 0) for q in queues])
+        # Shorter queues end in invalid (index -1) points, which add_points skips.
+        leaving = torch.cat([F.pad(q[0], (0, 0, 0, n - q[0].shape[2])) for q in queues])
+        index = torch.cat([F.pad(q[1], (0, n - q[1].shape[1]), value=-1) for q in queues])
+        positions = torch.cat([F.pad(q[2], (0, n - q[2].shape[1])) for q in queues])
         b, hq, _, d = leaving.shape
         h = members[0]["beacons"].shape[1]
         g = hq // h
