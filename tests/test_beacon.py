@@ -192,10 +192,11 @@ def test_a_point_identical_to_a_beacon_is_never_added_twice() -> None:
 def test_queries_enter_the_buffer_when_they_leave_the_recent_window(upkeep_every: int) -> None:
     """Steps of several sizes (a left-padded prefill, single decode steps, a chunk) driven as the
     cache drives them: on_step sees the step's queries with the previous window untouched, then
-    the cache's own window update keeps the newest `recent` queries; the older ones (rotated back
-    to pre-RoPE, padding excluded, G points per KV head) go through continual FPS exactly as the
-    one-at-a-time reference says, whether they are fed at once or queued and flushed in batches
-    (`upkeep_every`, the queue never longer than that)."""
+    the cache's own window update keeps the newest `recent` queries and `query_backlog` before
+    them; the older ones (rotated back to pre-RoPE, padding excluded, G points per KV head) go
+    through continual FPS exactly as the one-at-a-time reference says, whether they are fed at
+    once or queued in the backlog and flushed in batches (`upkeep_every`, the queue never longer
+    than that)."""
     rotary = LlamaRotaryEmbedding(rope_config("yarn"))
     scorer = BeaconKVScorer(beacon_max=10, beacon_min=4, recent=5, upkeep_every=upkeep_every)
     b, h, grp = 2, 2, 2
@@ -228,7 +229,8 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window(upkeep_every
         scorer.on_step(step, torch.zeros(b, h, 1, D), layer)
         window_after = (layer.queries, layer.query_index, layer.query_positions)
         assert all(a is b_ for a, b_ in zip(window_after, window_before, strict=True))  # read, never trimmed
-        CompressedLayer.observe(layer, post, index, positions, scorer.window)  # the cache's update
+        keep = scorer.window + scorer.query_backlog
+        CompressedLayer.observe(layer, post, index, positions, keep)  # the cache's update
         history += [(pre[:, :, i], index[:, i]) for i in range(q)]
         seen += q
         leaving = history[: len(history) - 5]
@@ -240,13 +242,13 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window(upkeep_every
                 for kv in range(h):
                     for g_ in range(grp):
                         refs[r][kv].add(vec[r, kv * grp + g_].tolist())
-        assert layer.queries.shape[2] == min(seen, 5)
-        assert torch.equal(layer.query_index, torch.stack([i for _, i in history], 1))
-        assert layer.extras.get("pending_count", 0) < upkeep_every
+        assert layer.queries.shape[2] == min(seen, keep)
+        assert torch.equal(layer.query_index[:, -5:], torch.stack([i for _, i in history], 1))
+        assert layer.extras["pending"] <= upkeep_every
         if step_no % 3 != 2 and step_no != len(sizes) - 1:
             continue  # let the queue build up across steps before reading the buffers
         scorer.flush(layer.extras, rotary.inv_freq, rotary.attention_scaling)
-        assert layer.extras["pending_count"] == 0
+        assert layer.extras["pending"] == 0
         count = layer.extras["beacon_count"]
         for r in range(b):
             for kv in range(h):
@@ -437,7 +439,7 @@ def test_repeated_token_gives_one_beacon_per_query_head() -> None:
     for layer in cache.layers:
         assert layer.extras["beacon_count"].tolist() == [[2, 2]]
         # ... while the post-RoPE queries of those positions are all different directions.
-        post = layer.queries[0, 0]  # [recent, D]
+        post = layer.queries[0, 0]  # [recent + backlog, D]
         unit = post / post.norm(dim=-1, keepdim=True)
         dist = 1 - unit @ unit.T
         assert bool((dist + torch.eye(len(post)) > 1e-3).all())
@@ -456,7 +458,8 @@ def test_beaconkv_memory_stays_bounded_over_300_steps() -> None:
             caps.append(max(layer.keys.shape[2] for layer in cache.layers))
             physical.append(cache.memory()["physical_bytes"])
             for layer in cache.layers:
-                assert layer.queries.shape[2] <= 16
+                scorer = cache.policy.scorer  # the recent queries and the queued ones, nothing more
+                assert layer.queries.shape[2] <= scorer.window + scorer.query_backlog
                 assert int(layer.extras["beacon_count"].max()) < 32
     assert max(caps) <= budget
     assert max(physical[150:]) <= max(physical[:150])
@@ -493,10 +496,9 @@ def test_all_layers_fed_in_one_pass_equal_each_layer_fed_alone(monkeypatch, upke
     padded with invalid points); a cache whose layers are each their own group feeds them one
     by one. Same tokens, same kept slots, same beacons, in a padded GQA batch with eviction,
     and the queues really wait for the last layer (every layer's is empty after a batched
-    pass). A prompt past QUEUE_LIMIT is fed at once, alone."""
+    pass). A prompt whose leaving queries outnumber the backlog is fed at once, alone."""
     import reasonkv.policies.beacon as beacon
 
-    monkeypatch.setattr(beacon, "QUEUE_LIMIT", 33)  # the 34 prompt queries leaving: fed alone
     model = tiny_model("qwen2", "sdpa", 2)
     prompts = [random_prompt(n, seed=60 + n)[0] for n in (50, 27)]
     ids, mask = left_pad(prompts)
@@ -508,12 +510,11 @@ def test_all_layers_fed_in_one_pass_equal_each_layer_fed_alone(monkeypatch, upke
     passes: list[int] = []  # layers fed per pass
     feed = beacon.BeaconKVScorer._feed
 
-    def spy(self, members, *args):
+    def spy(self, members, queues, *args):
         if members:
             passes.append(len(members))
-            if len(members) == len(grouped.layers):  # a batched pass empties every queue
-                assert all(m.get("pending") for m in members)
-        return feed(self, members, *args)
+            assert all(m["pending"] == 0 for m in members)  # taken off the queue
+        return feed(self, members, queues, *args)
 
     monkeypatch.setattr(beacon.BeaconKVScorer, "_feed", spy)
     out_g = model.generate(ids, attention_mask=mask, cache=grouped, **kw)
@@ -524,7 +525,7 @@ def test_all_layers_fed_in_one_pass_equal_each_layer_fed_alone(monkeypatch, upke
     assert passes_g[:n_layers] == [1] * n_layers  # the prompt's queries, layer by layer
     assert passes_g.count(n_layers) >= 2 and set(passes) == {1}
     for lay in grouped.layers:
-        assert lay.extras["pending_count"] < 2 * upkeep_every
+        assert lay.extras["pending"] <= upkeep_every
     assert len(grouped.events) > 20
     for lg, la in zip(grouped.layers, alone.layers, strict=True):
         assert torch.equal(lg.token_index, la.token_index)

@@ -95,4 +95,4 @@ def test_beam_search_with_eviction_keeps_state_per_beam() -> None:
     assert out.shape == (1, 60) and len(cache.events) > 0
     for layer in cache.layers:
         assert layer.extras["beacons"].shape[0] == layer.keys.shape[0] == 3
-        assert all(p[0].shape[0] == 3 for p in layer.extras["pending"])
+        assert layer.queries.shape[0] == 3  # the queue lives in the cache's query backlog

@@ -38,12 +38,14 @@ class FeedLog:
     def __init__(self, model):
         self.calls: dict[int, list[torch.Tensor]] = {}
         self.order: list[int] = []
+        self.caches: list[object] = []  # alive, so that no later cache can reuse a freed one's id
         self.handle = model.register_forward_pre_hook(self.hook, with_kwargs=True)
 
     def hook(self, module, args, kwargs):
         key = id(kwargs["cache"])
         if key not in self.calls:
             self.order.append(key)
+            self.caches.append(kwargs["cache"])
         self.calls.setdefault(key, []).append(kwargs["input_ids"].clone())
 
     def fed(self, key: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,14 +54,17 @@ class LayerPolicy:
     The scorer's contract with the cache (see `CompressedCache.after_attention`):
     - `window`: the cache keeps the last `window` queries of the layer (at least 1) in
       `layer.queries/query_index/query_positions`; `score` sees them as `obs.queries`.
+    - `query_backlog` (optional, default 0): the cache keeps this many queries older than the
+      window as well (`score` does not see them), so `on_step` can queue work on queries that
+      left the window by counting them instead of copying them (BeaconKV).
     - `state_names` (optional): per-token state tensors [B, H, capacity] the cache allocates
       (zero for new tokens) and gathers along with the keys at every eviction.
     - `on_step(step, keys, layer)` (optional): called once per forward of each layer, after
       attention and before the window is updated or anything is evicted. `step` holds THIS
       forward's queries only (every one of them, whatever `window` is); `layer.queries` etc.
-      still hold the previous window. A scorer that must see every query (H2O, BeaconKV) does
-      so here, never by asking for a huge window; it must not modify the window itself.
-      `layer.shared` is one dict for all layers of the cache (cleared on reset), for work
+      still hold the previous window (with its backlog). A scorer that must see every query
+      (H2O, BeaconKV) does so here, never by asking for a huge window; it must not modify the
+      window itself. `layer.shared` is one dict for all layers of the cache (cleared on reset), for work
       batched across layers.
     - `select_rows(extras, rows)` (optional, on the scorer, the schedule and the head
       allocator): reorder/duplicate the per-row state each keeps in `layer.extras` to the
@@ -292,9 +295,13 @@ class CompressedLayer(CacheLayerMixin):
             self.query_index = torch.cat([self.query_index, index], dim=1)[:, -window:]
             self.query_positions = torch.cat([self.query_positions, positions], dim=1)[:, -window:]
 
-    def observation(self, scaling: float) -> Observation:
-        """The query window and the stored tokens, as `score` sees them."""
-        return self._observation(self.queries, self.query_index, self.query_positions, scaling)
+    def observation(self, scaling: float, window: int | None = None) -> Observation:
+        """The last `window` kept queries (all of them by default) and the stored tokens, as
+        `score` sees them."""
+        if window is None or self.queries is None or self.queries.shape[2] <= window:
+            return self._observation(self.queries, self.query_index, self.query_positions, scaling)
+        q, index, positions = self.queries, self.query_index, self.query_positions
+        return self._observation(q[:, :, -window:], index[:, -window:], positions[:, -window:], scaling)
 
     def step_observation(
         self, query: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, scaling: float
@@ -472,7 +479,8 @@ class CompressedCache(Cache):
 
     Per forward of a layer, after attention (`after_attention`): the scorer's optional
     `on_step(step, keys, layer)` sees this forward's queries while `layer.queries` still holds
-    the previous window; then the window is updated to the last `scorer.window` queries;
+    the previous window; then the window is updated to the last `scorer.window` queries
+    (plus the scorer's `query_backlog`);
     then, if the schedule fires, `score` ranks the stored tokens and the layer compacts.
     """
 
@@ -535,10 +543,12 @@ class CompressedCache(Cache):
            forward's queries only (queries [B, Hq, q, D], query_index [B, q] with -1 for padding,
            query_positions [B, q]) with the layer's stored tokens, state, extras and RoPE data;
            `keys` [B, H, used, D]. `layer.queries/query_index/query_positions` still hold the
-           previous window (None at the first forward); `layer.state`/`layer.extras` are the
-           scorer's to update. Nothing has been evicted yet.
-        2. The window becomes the last `max(scorer.window, 1)` queries of (previous window, step).
-        3. If rows reach the schedule's trigger: `scorer.score(layer.observation(), ...)` and compaction.
+           previous window and its backlog (None at the first forward); `layer.state`/`layer.extras`
+           are the scorer's to update. Nothing has been evicted yet.
+        2. The layer keeps the last `max(scorer.window, 1) + scorer.query_backlog` queries of
+           (previous ones, step).
+        3. If rows reach the schedule's trigger: `scorer.score(obs, ...)` with the last
+           `max(scorer.window, 1)` queries as `obs.queries`, and compaction.
         """
         layer: CompressedLayer = self.layers[layer_idx]
         layer.pending = False
@@ -548,11 +558,12 @@ class CompressedCache(Cache):
         if on_step is not None:
             step = layer.step_observation(query, index, positions, scaling)
             on_step(step, layer.keys[:, :, : layer.used], layer)
-        layer.observe(query, index, positions, max(getattr(scorer, "window", 0), 1))
+        window = max(getattr(scorer, "window", 0), 1)
+        layer.observe(query, index, positions, window + getattr(scorer, "query_backlog", 0))
         rows = layer.rows_to_compress()
         if rows is None:
             return
-        obs = layer.observation(scaling)
+        obs = layer.observation(scaling, window)
         keys, values = layer.keys[:, :, : layer.used], layer.values[:, :, : layer.used]
         scores = scorer.score(obs, keys, values)
         custom_keep = getattr(self.policy.schedule, "keep", None)

@@ -70,6 +70,8 @@ class Scorer(Protocol):
       query_positions` still hold the previous window (None at the first forward); the hook may
       update `layer.state[name]` (slots [:, :, :layer.used]) and `layer.extras`, but never the window.
       A scorer that must see every query (H2O, BeaconKV) uses this, not a huge `window`.
+    - `query_backlog: int`: the cache also keeps this many queries older than the window in
+      `layer.queries` etc. (`score` never sees them), for `on_step` to read later instead of copying.
     """
 
     window: int

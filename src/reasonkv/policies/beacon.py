@@ -33,9 +33,6 @@ from reasonkv.policies.rope import apply_rope, unapply_rope
 
 DUPLICATE_EPS = 1e-5
 """Cosine distance at or below which a point counts as identical (fp32 rounding of 0)."""
-QUEUE_LIMIT = 1024
-"""A layer whose queue reaches this many queries (a long prefill) feeds it at once, alone,
-instead of holding it until every layer's queue is due."""
 
 
 def _units(x: torch.Tensor) -> torch.Tensor:
@@ -82,27 +79,30 @@ def add_points(
     b, h, m_max, d = beacons.shape
     start, total = 0, points.shape[2]
     slots = torch.arange(m_max, device=beacons.device)
+    earlier = torch.ones(m_max, m_max, dtype=torch.bool, device=beacons.device).tril(-1)
+    # One slot past the end takes the skipped points, so the scatter needs no condition.
+    buf = torch.cat([beacons, beacons.new_zeros(b, h, 1, d)], dim=2)
     while start < total:
         k = min(total - start, m_max - int(count.max()))
         chunk, ok = points[:, :, start : start + k].float(), valid[:, :, start : start + k]
-        u, held = _units(chunk), _units(beacons)
+        u, held = _units(chunk), _units(buf[:, :, :m_max])
         in_use = (slots < count[..., None])[:, :, None, :]  # [B, H, 1, M]
-        dup_held = (((1.0 - u @ held.transpose(-1, -2)) <= DUPLICATE_EPS) & in_use).any(-1)
-        earlier = torch.ones(k, k, dtype=torch.bool, device=beacons.device).tril(-1)
-        dup_prev = (((1.0 - u @ u.transpose(-1, -2)) <= DUPLICATE_EPS) & earlier & ok[:, :, None, :]).any(-1)
+        dup_held = ((u @ held.transpose(-1, -2) >= 1.0 - DUPLICATE_EPS) & in_use).any(-1)
+        same = u @ u.transpose(-1, -2) >= 1.0 - DUPLICATE_EPS
+        dup_prev = (same & earlier[:k, :k] & ok[:, :, None, :]).any(-1)
         add = ok & ~dup_held & ~dup_prev
-        slot = torch.where(add, count[..., None] + add.cumsum(-1) - 1, m_max)  # skipped -> a scratch slot
-        grown = torch.cat([beacons, beacons.new_zeros(b, h, 1, d)], dim=2)
-        grown.scatter_(2, slot[..., None].expand(-1, -1, -1, d), chunk)
-        beacons, count = grown[:, :, :m_max], count + add.sum(-1)
+        slot = torch.where(add, count[..., None] + add.cumsum(-1) - 1, m_max)
+        buf.scatter_(2, slot[..., None].expand(-1, -1, -1, d), chunk)
+        count = count + add.sum(-1)
         full = count == m_max
         if bool(full.any()):
-            keep = farthest_point_sample(beacons, beacon_min, m_max - 1)  # seeded with the newest
-            shrunk = beacons.new_zeros(b, h, m_max, d)
-            shrunk[:, :, :beacon_min] = beacons.gather(2, keep[..., None].expand(-1, -1, -1, d))
-            beacons = torch.where(full[..., None, None], shrunk, beacons)
+            keep = farthest_point_sample(buf[:, :, :m_max], beacon_min, m_max - 1)  # seeded with the newest
+            kept = buf.gather(2, keep[..., None].expand(-1, -1, -1, d))
+            shrunk = torch.cat([kept, buf.new_zeros(b, h, m_max + 1 - beacon_min, d)], dim=2)
+            buf = torch.where(full[..., None, None], shrunk, buf)
             count = torch.where(full, beacon_min, count)
         start += k
+    beacons = buf[:, :, :m_max]
     return beacons.contiguous(), count
 
 
@@ -116,9 +116,10 @@ class BeaconKVScorer:
     kernel: int = 7
     upkeep_every: int = 32
     """Queries leaving the recent window wait in a queue and enter the buffers this many at a
-    time, or when scoring needs the buffers. Continual FPS fed in chunks equals FPS fed one
-    point at a time (`add_points`), so the beacons do not depend on it; a decode step then
-    costs a queue append instead of a dozen small ops per layer."""
+    time (all layers in one pass), or when scoring needs the buffers. Continual FPS fed in
+    chunks equals FPS fed one point at a time (`add_points`), so the beacons do not depend on
+    it. The queue is the cache's own query history (`query_backlog`), so a decode step only
+    counts: no tensor op per layer."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.beacon_min < self.beacon_max:
@@ -137,137 +138,135 @@ class BeaconKVScorer:
         """The cache keeps the `recent` newest queries (a property, so it is not a separate knob)."""
         return self.recent
 
+    @property
+    def query_backlog(self) -> int:
+        """...and the `upkeep_every` before them: the queue of queries not yet fed."""
+        return self.upkeep_every
+
     # ------------------------------------------------------------- buffer upkeep
     def on_step(self, step: Observation, keys: torch.Tensor, layer) -> None:
-        """Move the queries that leave the recent window with this forward into the beacon buffers.
+        """Queue the queries that leave the recent window with this forward for the beacon buffers.
 
-        When this runs, `layer.queries` etc. still hold the previous window (at most `recent`
-        queries) and `step` holds this forward's; of the two in order, all but the newest
-        `recent` leave, rotated back to pre-RoPE (padding queries never enter). The cache then
-        keeps the newest `recent` as its window. State in `layer.extras`: beacons [B, H, M, D]
-        (pre-RoPE, fp32, arrival order), beacon_count [B, H], and the queue of leaving queries
-        not yet fed (`pending`: fed when every layer's queue holds `upkeep_every`, all layers in
-        one pass, and before scoring).
+        When this runs, `layer.queries` etc. hold the previous queries (the `recent` newest,
+        and before them the `pending` queued ones: the cache keeps `query_backlog` =
+        `upkeep_every` of those) and `step` holds this forward's. Of the two in order, all but
+        the newest `recent` have left; those not fed yet are the queue, and this hook only
+        counts them. When the queue would outgrow the backlog it is fed (in lock-step decoding
+        every layer's queue is full then, and all layers are fed in one pass); more leaving
+        queries than the backlog holds (a prompt) are fed at once. Fed queries are rotated back
+        to pre-RoPE; padding queries never enter. State in `layer.extras`: beacons [B, H, M, D]
+        (pre-RoPE, fp32, arrival order), beacon_count [B, H], pending (queued queries).
         """
-        previous = 0 if layer.queries is None else layer.queries.shape[2]
-        n_out = previous + step.queries.shape[2] - self.recent
         ex = layer.extras
-        b, _, _, d = step.queries.shape
-        h = keys.shape[1]
+        b, _, q, d = step.queries.shape
         if "beacons" not in ex:
+            h = keys.shape[1]
             ex["beacons"] = torch.zeros(b, h, self.beacon_max, d, device=keys.device)
             ex["beacon_count"] = torch.zeros(b, h, dtype=torch.long, device=keys.device)
+            ex["pending"] = 0
+            self._join_upkeep_group(layer)
         elif ex["beacons"].shape[0] != b:
             raise RuntimeError("BeaconKV: the batch changed size mid-generation; start a new cache")
-        group = self._upkeep_group(layer)
-        if n_out <= 0:
+        held = 0 if layer.queries is None else layer.queries.shape[2]
+        n_out = max(held + q - self.recent, 0) - max(held - self.recent, 0)
+        if n_out == 0:
             return
         if step.rope_inv_freq is None:
             raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
-
-        def oldest(old: torch.Tensor | None, new: torch.Tensor, dim: int, copy: bool) -> torch.Tensor:
-            """The first n_out of (previous window, this step) along `dim` (a decode step: the
-            window's oldest). The cache replaces its window tensors rather than writing into
-            them, so a view stays valid; but a view pins what it views, so the queries (a
-            window's or a prefill's worth) are copied, the small [B, n] index rows are not."""
-            if old is not None and n_out <= old.shape[dim]:
-                part = old.narrow(dim, 0, n_out)
-            else:
-                part = (new if old is None else torch.cat([old, new], dim)).narrow(dim, 0, n_out)
-            return part.clone() if copy else part
-
-        leaving = oldest(layer.queries, step.queries, 2, copy=True)
-        index = oldest(layer.query_index, step.query_index, 1, copy=False)
-        positions = oldest(layer.query_positions, step.query_positions, 1, copy=False)
-        ex.setdefault("pending", []).append((leaving, index, positions))
-        ex["pending_count"] = ex.get("pending_count", 0) + n_out
-        if ex["pending_count"] < self.upkeep_every:
-            return
-        if group is None or ex["pending_count"] >= QUEUE_LIMIT:
-            self._feed([ex], step.rope_inv_freq, step.rope_attention_scaling)
-            return
-        # Layers fill their queues in lock-step: wait until every layer's is due (the last
-        # layer of this forward), then feed them all in one batched pass.
-        group["due"].add(layer.layer_idx)
-        if len(group["due"]) == len(group["members"]):
+        if ex["pending"] + n_out > self.upkeep_every:  # the backlog cannot hold them all
             self.flush(ex, step.rope_inv_freq, step.rope_attention_scaling)
+        if n_out <= self.upkeep_every:
+            ex["pending"] += n_out  # they stay in the cache's backlog until fed
+            return
+        # More than the backlog keeps (a prompt): feed them now, from (previous, this step).
+        start = held - min(held, self.recent)  # the previous recent queries all leave
+
+        def leaving(old: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
+            if old is not None and start < held:
+                new = torch.cat([old.narrow(dim, start, held - start), new], dim)
+            return new.narrow(dim, 0, n_out)
+
+        queue = (
+            leaving(layer.queries, step.queries, 2),
+            leaving(layer.query_index, step.query_index, 1),
+            leaving(layer.query_positions, step.query_positions, 1),
+        )
+        self._feed([ex], [queue], step.rope_inv_freq, step.rope_attention_scaling)
 
     @staticmethod
-    def _upkeep_group(layer) -> dict | None:
-        """The cache-wide group of layers whose queues are flushed together (None outside a
-        CompressedCache): every layer's extras, keyed by layer index, and the due ones."""
+    def _join_upkeep_group(layer) -> None:
+        """Register the layer in its cache's group of layers whose queues are fed together
+        (`layer.shared`, one dict per cache; a layer without one is a group of its own)."""
         shared = getattr(layer, "shared", None)
-        if shared is None:
-            return None
-        group = shared.setdefault("beacon_upkeep", {"members": {}, "due": set()})
-        if group["members"].get(layer.layer_idx) is not layer.extras:
-            group["members"][layer.layer_idx] = layer.extras
-            layer.extras["upkeep_group"] = group
-        return group
+        group = (layer.extras if shared is None else shared).setdefault("beacon_upkeep", {})
+        group[getattr(layer, "layer_idx", 0)] = layer
+        layer.extras["upkeep_group"] = group
 
     def flush(self, extras: dict, inv_freq: torch.Tensor | None, attention_scaling: float = 1.0) -> None:
-        """Feed the queued leaving queries (post-RoPE, oldest first) into the beacon buffers:
-        rotated back to pre-RoPE, each giving G points per KV head (query, then group head),
-        padding queries excluded. Scoring calls it; so may anyone who reads the buffers.
+        """Feed the queued queries (post-RoPE, oldest first) into the beacon buffers: rotated
+        back to pre-RoPE, each giving G points per KV head (query, then group head), padding
+        queries excluded. Scoring calls it; so may anyone who reads the buffers.
 
         Inside a cache the queues of all layers are fed at once: their buffers are stacked
         along the batch axis, so one FPS pass serves every layer (30 times fewer small ops on
         the default model); a shorter queue is padded with invalid points, which FPS skips.
         """
-        group = extras.get("upkeep_group")
-        members = [extras] if group is None else list(group["members"].values())
-        if group is not None:
-            group["due"].clear()
-        self._feed([m for m in members if m.get("pending")], inv_freq, attention_scaling)
+        layers = [lay for lay in extras.get("upkeep_group", {}).values() if lay.extras["pending"]]
+        queues = []
+        for lay in layers:
+            n, end = lay.extras["pending"], lay.queries.shape[2] - self.recent
+            lay.extras["pending"] = 0
+            queues.append(
+                (
+                    lay.queries[:, :, end - n : end],
+                    lay.query_index[:, end - n : end],
+                    lay.query_positions[:, end - n : end],
+                )
+            )
+        self._feed([lay.extras for lay in layers], queues, inv_freq, attention_scaling)
 
-    def _feed(self, members: list[dict], inv_freq: torch.Tensor | None, attention_scaling: float) -> None:
-        """Empty the queues of these layers (extras dicts) into their buffers, in one pass."""
+    def _feed(
+        self,
+        members: list[dict],
+        queues: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        inv_freq: torch.Tensor | None,
+        attention_scaling: float,
+    ) -> None:
+        """Feed each layer's (extras dict's) queue of leaving queries [B, Hq, n, D], with their
+        indices and positions [B, n], into its buffers, all in one pass."""
         if not members:
             return
         if inv_freq is None:
             raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
-        queues = [self._take_queue(m) for m in members]
-        n = max(q[0].shape[2] for q in queues)
-        # Shorter queues end in invalid (index -1) points, which add_points skips.
-        leaving = torch.cat([F.pad(q[0], (0, 0, 0, n - q[0].shape[2])) for q in queues])
-        index = torch.cat([F.pad(q[1], (0, n - q[1].shape[1]), value=-1) for q in queues])
-        positions = torch.cat([F.pad(q[2], (0, n - q[2].shape[1])) for q in queues])
+        n = max(q[1].shape[1] for q in queues)
+        if all(q[1].shape[1] == n for q in queues):
+            leaving, index, positions = (torch.cat(parts) for parts in zip(*queues, strict=True))
+        else:  # shorter queues end in invalid (index -1) points, which add_points skips
+            leaving = torch.cat([F.pad(q[0], (0, 0, 0, n - q[0].shape[2])) for q in queues])
+            index = torch.cat([F.pad(q[1], (0, n - q[1].shape[1]), value=-1) for q in queues])
+            positions = torch.cat([F.pad(q[2], (0, n - q[2].shape[1])) for q in queues])
         b, hq, _, d = leaving.shape
         h = members[0]["beacons"].shape[1]
         g = hq // h
         pre = unapply_rope(leaving, positions[:, None], inv_freq, attention_scaling)
         points = pre.reshape(b, h, g, n, d).transpose(2, 3).reshape(b, h, n * g, d)
         valid = (index >= 0)[:, None, :, None].expand(b, h, n, g).reshape(b, h, -1)
-        beacons, count = add_points(
-            torch.cat([m["beacons"] for m in members]),
-            torch.cat([m["beacon_count"] for m in members]),
-            points,
-            valid,
-            self.beacon_min,
-        )
+        if len(members) == 1:
+            beacons, count = members[0]["beacons"], members[0]["beacon_count"]
+        else:
+            beacons = torch.cat([m["beacons"] for m in members])
+            count = torch.cat([m["beacon_count"] for m in members])
+        beacons, count = add_points(beacons, count, points, valid, self.beacon_min)
         rows = members[0]["beacons"].shape[0]
         for m, buf, cnt in zip(members, beacons.split(rows), count.split(rows), strict=True):
             m["beacons"], m["beacon_count"] = buf, cnt
 
-    @staticmethod
-    def _take_queue(extras: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Empty a layer's queue: its leaving queries [B, Hq, n, D], indices and positions [B, n]."""
-        pending = extras["pending"]
-        extras["pending"], extras["pending_count"] = [], 0
-        if len(pending) == 1:
-            return pending[0]
-        return (
-            torch.cat([p[0] for p in pending], dim=2),
-            torch.cat([p[1] for p in pending], dim=1),
-            torch.cat([p[2] for p in pending], dim=1),
-        )
-
     def select_rows(self, extras: dict, rows: torch.Tensor) -> None:
-        """Follow the cache's rows (beam search): the buffers, their counts and the queue."""
+        """Follow the cache's rows (beam search): the buffers and their counts (the queue is
+        the cache's query backlog, which the cache reorders itself)."""
         for key in ("beacons", "beacon_count"):
             if key in extras:
                 extras[key] = extras[key].index_select(0, rows)
-        extras["pending"] = [tuple(t.index_select(0, rows) for t in p) for p in extras.get("pending", [])]
 
     # ------------------------------------------------------------------ scoring
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
