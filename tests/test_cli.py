@@ -148,6 +148,19 @@ def test_set_without_key_value_is_refused(item):
         cli.parse_sets([item])
 
 
+def test_number_lists_keep_first_occurrences_and_name_the_option():
+    assert cli.split_list(" a, b,,c ", "--x") == ["a", "b", "c"]
+    assert cli.positive_ints("64, 128,64,8", "--budgets", "tokens") == [64, 128, 8]
+    for text, message in [
+        (" , ", "--budgets takes a comma-separated list, got ' , '"),
+        ("64,1.5", "--budgets takes positive integers (tokens), got '1.5'"),
+        ("64,-3", "--budgets takes positive integers (tokens), got -3"),
+    ]:
+        with pytest.raises(cli.CliError) as err:
+            cli.positive_ints(text, "--budgets", "tokens")
+        assert str(err.value) == message
+
+
 def test_knobs_are_checked_against_the_defaults_types():
     snapkv = METHODS["snapkv"]
     assert cli.check_knobs(snapkv, {"window": 4, "pooling": "avg", "protect_prompt": True}) == {

@@ -373,7 +373,7 @@ def test_replay_command_batch_equals_one_by_one(loader, tmp_path) -> None:
     [
         (["--methods", "full,nope"], "unknown method 'nope'"),
         (["--budgets", "64,x"], "--budgets takes positive integers"),
-        (["--budgets", "0"], "budget must be a positive number"),
+        (["--budgets", "0"], "--budgets takes positive integers (tokens per KV head), got 0"),
         (["--set", "nope=1"], "unknown parameter(s) nope"),
         (["--set", "interval=2.5"], "'interval' of 'snapkv' expects an integer"),
         (["--variant", "other"], "no traces of variant 'other'"),

@@ -90,8 +90,8 @@ def analyze_command(
     the needed tokens each method had already evicted (missed revisits). Writes OUT/index.html."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from reasonkv.cli import CliError, console, err_console, fail, parse_sets
-    from reasonkv.eval.replay_cli import _split_list, build_runs
+    from reasonkv.cli import CliError, console, err_console, fail, parse_sets, split_list
+    from reasonkv.eval.replay_cli import build_runs
     from reasonkv.profile import find_profile, load_profile
 
     try:
@@ -100,7 +100,7 @@ def analyze_command(
         else:
             if budget <= 0:
                 raise CliError(f"budget must be a positive number of tokens per KV head, got {budget}")
-            runs = build_runs(_split_list(methods, "--methods"), [budget], parse_sets(sets))
+            runs = build_runs(split_list(methods, "--methods"), [budget], parse_sets(sets))
         layer_list = _int_list(layers, "--layers")
         head_list = _int_list(heads, "--heads")
         if max_tokens <= 2:

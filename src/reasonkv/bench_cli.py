@@ -25,24 +25,6 @@ from reasonkv.models import DEFAULT_MODEL, load_model
 MODEL_HELP = "Bundled name (smollm2-135m), local directory or .gguf file, or Hugging Face id."
 
 
-def _positive_ints(text: str, option: str, what: str) -> list[int]:
-    from reasonkv.cli import CliError
-
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
-        raise CliError(f"{option} takes a comma-separated list, got {text!r}")
-    values = []
-    for item in items:
-        try:
-            value = int(item)
-        except ValueError:
-            raise CliError(f"{option} takes positive integers ({what}), got {item!r}") from None
-        if value <= 0:
-            raise CliError(f"{option} takes positive integers ({what}), got {value}")
-        values.append(value)
-    return list(dict.fromkeys(values))
-
-
 def profile_table(profiles: list[dict]):
     """Milliseconds per decode step by group, one row per profiled run."""
     from rich import box
@@ -117,15 +99,13 @@ def bench_command(
     through the same tokens (the full cache's greedy output), each as a ratio to the full cache."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from reasonkv.cli import CliError, console, err_console, fail, parse_sets
+    from reasonkv.cli import CliError, console, err_console, fail, parse_sets, positive_ints, split_list
     from reasonkv.eval.replay_cli import build_runs
 
     try:
-        method_names = [x.strip() for x in methods.split(",") if x.strip()]
-        if not method_names:
-            raise CliError(f"--methods takes a comma-separated list, got {methods!r}")
-        budget_list = _positive_ints(budgets, "--budgets", "tokens per KV head")
-        length_list = sorted(_positive_ints(lengths, "--lengths", "generated tokens"))
+        method_names = split_list(methods, "--methods")
+        budget_list = positive_ints(budgets, "--budgets", "tokens per KV head")
+        length_list = sorted(positive_ints(lengths, "--lengths", "generated tokens"))
         if window <= 0:
             raise CliError(f"--window must be positive, got {window}")
         if sample_every <= 0:

@@ -51,6 +51,30 @@ def fail(message: str) -> typing.NoReturn:
     raise typer.Exit(USAGE_ERROR)
 
 
+# ------------------------------------------------------------------ lists
+def split_list(text: str, option: str) -> list[str]:
+    """'a, b,,c' -> ['a', 'b', 'c']; an empty list is an error naming the option."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise CliError(f"{option} takes a comma-separated list, got {text!r}")
+    return items
+
+
+def positive_ints(text: str, option: str, what: str) -> list[int]:
+    """'64,128,64' -> [64, 128] (first occurrence order); anything but positive integers is an
+    error naming the option and what the numbers count (`what`)."""
+    values = []
+    for item in split_list(text, option):
+        try:
+            value = int(item)
+        except ValueError:
+            raise CliError(f"{option} takes positive integers ({what}), got {item!r}") from None
+        if value <= 0:
+            raise CliError(f"{option} takes positive integers ({what}), got {value}")
+        values.append(value)
+    return list(dict.fromkeys(values))
+
+
 # ------------------------------------------------------------------ knobs
 def parse_value(text: str) -> object:
     """Auto-type a `--set` value: true/false -> bool, none -> None, then int, float, str."""

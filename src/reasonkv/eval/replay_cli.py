@@ -35,30 +35,6 @@ from reasonkv.registry import get_method
 MODEL_HELP = "Bundled name (smollm2-135m), local directory or .gguf file, or Hugging Face id."
 
 
-def _split_list(text: str, what: str) -> list[str]:
-    from reasonkv.cli import CliError
-
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
-        raise CliError(f"{what} takes a comma-separated list, got {text!r}")
-    return items
-
-
-def _parse_budgets(text: str) -> list[int]:
-    from reasonkv.cli import CliError
-
-    budgets = []
-    for item in _split_list(text, "--budgets"):
-        try:
-            value = int(item)
-        except ValueError:
-            raise CliError(f"--budgets takes positive integers (tokens per KV head), got {item!r}") from None
-        if value <= 0:
-            raise CliError(f"budget must be a positive number of tokens per KV head, got {value}")
-        budgets.append(value)
-    return list(dict.fromkeys(budgets))
-
-
 def build_runs(methods: list[str], budgets: list[int], knobs: dict[str, object]) -> list[ReplayRun]:
     """Every (method, budget), `full` once. A --set knob goes to every method that has it; a
     knob that none of the methods knows is an error (a typo would otherwise be ignored)."""
@@ -130,11 +106,11 @@ def replay_command(
     mean KL(full‖method), top-1 agreement and perplexity ratio, overall and by position."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from reasonkv.cli import CliError, console, err_console, fail, parse_sets
+    from reasonkv.cli import CliError, console, err_console, fail, parse_sets, positive_ints, split_list
 
     try:
-        method_names = _split_list(methods, "--methods")
-        budget_list = _parse_budgets(budgets)
+        method_names = split_list(methods, "--methods")
+        budget_list = positive_ints(budgets, "--budgets", "tokens per KV head")
         runs = build_runs(method_names, budget_list, parse_sets(sets))
         if max_tokens <= 1:
             raise CliError(f"--max-tokens must be at least 2, got {max_tokens}")
@@ -142,7 +118,7 @@ def replay_command(
             raise CliError(f"--bin must be positive, got {bin_size}")
         if limit is not None and limit <= 0:
             raise CliError(f"--limit must be positive, got {limit}")
-        id_list = _split_list(ids, "--ids") if ids is not None else None
+        id_list = split_list(ids, "--ids") if ids is not None else None
         rows = load_traces(traces, limit=limit, variant=None if variant == "all" else variant, ids=id_list)
         if not rows:
             raise CliError(f"{traces}: no traces of variant {variant!r}")
