@@ -155,7 +155,8 @@ class BeaconKVScorer:
         every layer's queue is full then, and all layers are fed in one pass); more leaving
         queries than the backlog holds (a prompt) are fed at once. Fed queries are rotated back
         to pre-RoPE; padding queries never enter. State in `layer.extras`: beacons [B, H, M, D]
-        (pre-RoPE, fp32, arrival order), beacon_count [B, H], pending (queued queries).
+        (pre-RoPE, fp32, arrival order), beacon_count [B, H], pending (queued queries; below 0
+        when scoring fed this layer's next leaving ones ahead, see `flush`).
         """
         ex = layer.extras
         b, _, q, d = step.queries.shape
@@ -167,8 +168,9 @@ class BeaconKVScorer:
             self._join_upkeep_group(layer)
         elif ex["beacons"].shape[0] != b:
             raise RuntimeError("BeaconKV: the batch changed size mid-generation; start a new cache")
+        ex["forwards"], ex["step_size"] = ex.get("forwards", 0) + 1, q
         held = 0 if layer.queries is None else layer.queries.shape[2]
-        n_out = max(held + q - self.recent, 0) - max(held - self.recent, 0)
+        n_out = self._leaving(held, q)
         if n_out == 0:
             return
         if step.rope_inv_freq is None:
@@ -176,7 +178,8 @@ class BeaconKVScorer:
         if ex["pending"] + n_out > self.upkeep_every:  # the backlog cannot hold them all
             self.flush(ex, step.rope_inv_freq, step.rope_attention_scaling)
         if n_out <= self.upkeep_every:
-            ex["pending"] += n_out  # they stay in the cache's backlog until fed
+            # They stay in the cache's backlog until fed (pending < 0: fed ahead by `flush`).
+            ex["pending"] += n_out
             return
         # More than the backlog keeps (a prompt): feed them now, from (previous, this step).
         start = held - min(held, self.recent)  # the previous recent queries all leave
@@ -202,7 +205,13 @@ class BeaconKVScorer:
         group[getattr(layer, "layer_idx", 0)] = layer
         layer.extras["upkeep_group"] = group
 
-    def flush(self, extras: dict, inv_freq: torch.Tensor | None, attention_scaling: float = 1.0) -> None:
+    def _leaving(self, held: int, q: int) -> int:
+        """How many queries leave the recent window when q arrive after `held` kept ones."""
+        return max(held + q - self.recent, 0) - max(held - self.recent, 0)
+
+    def flush(
+        self, extras: dict, inv_freq: torch.Tensor | None, attention_scaling: float = 1.0, ahead: bool = False
+    ) -> None:
         """Feed the queued queries (post-RoPE, oldest first) into the beacon buffers: rotated
         back to pre-RoPE, each giving G points per KV head (query, then group head), padding
         queries excluded. Scoring calls it; so may anyone who reads the buffers.
@@ -210,20 +219,37 @@ class BeaconKVScorer:
         Inside a cache the queues of all layers are fed at once: their buffers are stacked
         along the batch axis, so one FPS pass serves every layer (30 times fewer small ops on
         the default model); a shorter queue is padded with invalid points, which FPS skips.
+        With `ahead` (scoring), a layer that has not run this forward yet is also fed the
+        queries this forward will push out of its recent window: they are already known (the
+        oldest recent ones), and its own scoring then finds nothing to feed. The order of
+        arrival is unchanged, so the buffers are too.
         """
-        layers = [lay for lay in extras.get("upkeep_group", {}).values() if lay.extras["pending"]]
-        queues = []
-        for lay in layers:
-            n, end = lay.extras["pending"], lay.queries.shape[2] - self.recent
-            lay.extras["pending"] = 0
+        forward, q = extras.get("forwards", 0), extras.get("step_size", 0)
+        fed, queues = [], []
+        for lay in extras.get("upkeep_group", {}).values():
+            if lay.queries is None:  # its first forward: nothing kept yet
+                continue
+            ex, held = lay.extras, lay.queries.shape[2]
+            first_recent = held - min(held, self.recent)
+            n_ahead = 0
+            if ahead and ex["forwards"] < forward:
+                n_ahead = self._leaving(held, q)
+                if n_ahead > min(held - first_recent, self.upkeep_every):
+                    n_ahead = 0  # some are still to come (a long chunk): they are fed then
+            start, end = first_recent - ex["pending"], first_recent + n_ahead
+            if start >= end:  # nothing queued (or already fed ahead)
+                continue
+            ex["pending"] = -n_ahead
+            fed.append(ex)
             queues.append(
                 (
-                    lay.queries[:, :, end - n : end],
-                    lay.query_index[:, end - n : end],
-                    lay.query_positions[:, end - n : end],
+                    lay.queries[:, :, start:end],
+                    lay.query_index[:, start:end],
+                    lay.query_positions[:, start:end],
                 )
             )
-        self._feed([lay.extras for lay in layers], queues, inv_freq, attention_scaling)
+        if fed:
+            self._feed(fed, queues, inv_freq, attention_scaling)
 
     def _feed(
         self,
@@ -271,7 +297,7 @@ class BeaconKVScorer:
     # ------------------------------------------------------------------ scoring
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         if obs.extras is not None:
-            self.flush(obs.extras, obs.rope_inv_freq, obs.rope_attention_scaling)
+            self.flush(obs.extras, obs.rope_inv_freq, obs.rope_attention_scaling, ahead=True)
         logits = grouped_logits(obs.queries, keys, obs.scaling)
         probs = masked_softmax(logits, candidate_mask(obs))  # recent queries: [B, H, G, W, T]
         b, h, g, w, t = probs.shape
