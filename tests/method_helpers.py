@@ -8,9 +8,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def tiny_model(attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    """2 layers, 4 query heads over 2 KV heads, vocab 128, pad id 0; `overrides` on top."""
+    base = dict(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
@@ -19,6 +19,12 @@ def tiny_model(attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
         num_key_value_heads=2,
         pad_token_id=0,
     )
+    return LlamaConfig(**(base | overrides))
+
+
+def tiny_model(attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = tiny_llama_config()
     cfg._attn_implementation = attn
     return LlamaForCausalLM(cfg).eval()
 

@@ -12,6 +12,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from conftest import dynamic_cache, greedy_loop, left_pad, random_prompt, tiny_model
+from method_helpers import tiny_llama_config
 from reasonkv import make_cache
 from reasonkv.cache import CompressedLayer
 from reasonkv.policies import EMPTY, BeaconKVScorer, Observation, protected_mask, select_tokens
@@ -41,18 +42,7 @@ ROPES = {
 
 
 def rope_config(rope: str) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=D,
-        max_position_embeddings=1024,
-        rope_parameters=dict(ROPES[rope]),
-        pad_token_id=0,
-    )
+    return tiny_llama_config(head_dim=D, max_position_embeddings=1024, rope_parameters=dict(ROPES[rope]))
 
 
 # --------------------------------------------------------------------------- rotation

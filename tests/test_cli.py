@@ -8,10 +8,11 @@ import os
 import pytest
 import torch
 from rich.console import Console
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
 import reasonkv
+from method_helpers import tiny_llama_config
 from reasonkv import cli, demo
 from reasonkv.policies import StreamingScorer
 from reasonkv.registry import METHODS, MethodSpec
@@ -49,17 +50,7 @@ class CharTokenizer:
 
 def tiny_llama(attn: str = "sdpa") -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=None,
-    )
+    cfg = tiny_llama_config(bos_token_id=1, eos_token_id=None)
     cfg._attn_implementation = attn
     return LlamaForCausalLM(cfg).eval()
 
