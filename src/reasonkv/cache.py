@@ -64,8 +64,8 @@ class LayerPolicy:
       forward's queries only (every one of them, whatever `window` is); `layer.queries` etc.
       still hold the previous window (with its backlog). A scorer that must see every query
       (H2O, BeaconKV) does so here, never by asking for a huge window; it must not modify the
-      window itself. `layer.shared` is one dict for all layers of the cache (cleared on reset), for work
-      batched across layers.
+      window itself. `layer.shared` is one dict for all layers of the cache (cleared on
+      reset), for work batched across layers.
     - `select_rows(extras, rows)` (optional, on the scorer, the schedule and the head
       allocator): reorder/duplicate the per-row state each keeps in `layer.extras` to the
       batch rows `rows` [B'] (beam search, `batch_select_indices`); the cache reorders its own.
