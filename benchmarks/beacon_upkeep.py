@@ -15,41 +15,29 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 
-def _timed(table: dict, name: str, fn):
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            table[name]["seconds"] += time.perf_counter() - t0
-            table[name]["calls"] += 1
-
-    return wrapper
-
-
 def decode_profile(model_name: str, budget: int, prompt: int, steps: int, seed: int) -> dict:
     import reasonkv
     import reasonkv.policies.beacon as beacon
+    from reasonkv.bench import SectionTimer
     from reasonkv.demo import quiet_loading
     from reasonkv.models import load_model
 
     with quiet_loading():
         model, _ = load_model(model_name)
-    table: dict = defaultdict(lambda: {"seconds": 0.0, "calls": 0})
+    timer = SectionTimer()
     cache = reasonkv.make_cache(model, "beaconkv", budget)
     scorer = cache.policy.scorer
-    scorer.on_step = _timed(table, "on_step", scorer.on_step)
-    scorer.score = _timed(table, "score", scorer.score)
+    scorer.on_step = timer.wrap("on_step", scorer.on_step)
+    scorer.score = timer.wrap("score", scorer.score)
     feed = scorer._feed
 
     def counted_feed(members, *args):
-        return _timed(table, f"feed ({len(members)} layers)", feed)(members, *args)
+        return timer.wrap(f"feed ({len(members)} layers)", feed)(members, *args)
 
     scorer._feed = counted_feed
     gen = torch.Generator().manual_seed(seed)
@@ -57,7 +45,8 @@ def decode_profile(model_name: str, budget: int, prompt: int, steps: int, seed: 
     ids = torch.randint(0, vocab, (1, prompt + steps), generator=gen)
     with torch.no_grad():
         model(input_ids=ids[:, :prompt], cache=cache)
-        table.clear()
+        timer.seconds.clear()  # the prefill's feeds are not decode steps
+        timer.calls.clear()
         t0 = time.perf_counter()
         for i in range(prompt, prompt + steps):
             model(input_ids=ids[:, i : i + 1], cache=cache)
@@ -65,7 +54,7 @@ def decode_profile(model_name: str, budget: int, prompt: int, steps: int, seed: 
     step_ms = 1e3 * wall / steps
     parts = {
         name: {"ms_per_step": 1e3 * v["seconds"] / steps, "calls": v["calls"], "share": v["seconds"] / wall}
-        for name, v in sorted(table.items())
+        for name, v in timer.as_dict().items()
     }
     return {
         "model": model_name,
