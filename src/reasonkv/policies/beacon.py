@@ -102,8 +102,7 @@ def add_points(
             buf = torch.where(full[..., None, None], shrunk, buf)
             count = torch.where(full, beacon_min, count)
         start += k
-    beacons = buf[:, :, :m_max]
-    return beacons.contiguous(), count
+    return buf[:, :, :m_max].contiguous(), count
 
 
 @dataclass
@@ -182,11 +181,11 @@ class BeaconKVScorer:
             ex["pending"] += n_out
             return
         # More than the backlog keeps (a prompt): feed them now, from (previous, this step).
-        start = held - min(held, self.recent)  # the previous recent queries all leave
+        first_recent = held - min(held, self.recent)  # the previous recent queries all leave
 
         def leaving(old: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
-            if old is not None and start < held:
-                new = torch.cat([old.narrow(dim, start, held - start), new], dim)
+            if old is not None and first_recent < held:
+                new = torch.cat([old.narrow(dim, first_recent, held - first_recent), new], dim)
             return new.narrow(dim, 0, n_out)
 
         queue = (
@@ -260,8 +259,6 @@ class BeaconKVScorer:
     ) -> None:
         """Feed each layer's (extras dict's) queue of leaving queries [B, Hq, n, D], with their
         indices and positions [B, n], into its buffers, all in one pass."""
-        if not members:
-            return
         if inv_freq is None:
             raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
         n = max(q[1].shape[1] for q in queues)
