@@ -42,15 +42,19 @@ class RKVScorer:
         """[B, H, T] R_j: a distribution over each head's real keys (0 on EMPTY slots)."""
         valid = obs.key_valid
         k = keys.float()
-        k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+        # Zeroed EMPTY keys give zero similarity rows and columns without a [T, T] pair mask.
+        k = k / (k.norm(dim=-1, keepdim=True) + 1e-8) * valid[..., None]
         sim = k @ k.transpose(-1, -2)  # [B, H, T, T]
+        sim.diagonal(dim1=-2, dim2=-1).zero_()
         t = sim.shape[-1]
         slots = torch.arange(t, device=sim.device)
-        pair = valid[..., :, None] & valid[..., None, :] & (slots[:, None] != slots[None, :])
-        sim = sim.masked_fill(~pair, 0.0)
+        similar = sim > self.sim_threshold
+        if self.sim_threshold < 0:  # then the zeros (EMPTY keys, the diagonal) would pass too
+            similar &= valid[..., None, :]
+            similar.diagonal(dim1=-2, dim2=-1).fill_(False)
         # Slots are in positional order, so the largest similar slot is the most recent one.
-        similar = pair & (sim > self.sim_threshold)
         last = torch.where(similar, slots, -1).amax(dim=-1)  # [B, H, T]; -1 = no similar token
-        sim = sim.masked_fill(slots == last[..., None], 0.0)
+        # A row with no similar token zeroes its own diagonal entry, already 0.
+        sim.scatter_(-1, torch.where(last >= 0, last, slots)[..., None], 0.0)
         n_real = valid.sum(-1, keepdim=True).clamp(min=1).to(sim.dtype)
         return masked_softmax(sim.sum(dim=-2) / n_real, valid)
