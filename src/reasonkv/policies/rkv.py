@@ -52,8 +52,9 @@ class RKVScorer:
         if self.sim_threshold < 0:  # then the zeros (EMPTY keys, the diagonal) would pass too
             similar &= valid[..., None, :]
             similar.diagonal(dim1=-2, dim2=-1).fill_(False)
-        # Slots are in positional order, so the largest similar slot is the most recent one.
-        last = torch.where(similar, slots, -1).amax(dim=-1)  # [B, H, T]; -1 = no similar token
+        # Slots are in positional order, so the largest similar slot is the most recent one
+        # (int32: the [T, T] temporary at half the int64 cost).
+        last = torch.where(similar, slots.int(), -1).amax(dim=-1).long()  # [B, H, T]; -1 = none
         # A row with no similar token zeroes its own diagonal entry, already 0.
         sim.scatter_(-1, torch.where(last >= 0, last, slots)[..., None], 0.0)
         n_real = valid.sum(-1, keepdim=True).clamp(min=1).to(sim.dtype)
