@@ -168,6 +168,19 @@ def test_rkv_row_without_similar_token_zeroes_nothing():
     assert torch.allclose(red, torch.softmax(s.sum(0) / 3, dim=0), atol=1e-6)
 
 
+@pytest.mark.parametrize("heads_per_pass", [1, 3])
+def test_rkv_redundancy_in_passes_equals_one_pass(monkeypatch, heads_per_pass):
+    """The similarities go a few heads at a time (B x H = 4, not a multiple of 3: a short last
+    pass); the scores are those of one pass over every head."""
+    import reasonkv.policies.rkv as rkv
+
+    obs, keys = random_obs(3, seed=5)
+    whole = RKVScorer().redundancy(obs, keys)
+    t = keys.shape[2]
+    monkeypatch.setattr(rkv, "_CPU_SIM_ELEMENTS", heads_per_pass * t * t)
+    assert torch.equal(RKVScorer().redundancy(obs, keys), whole)
+
+
 # ------------------------------------------------------------------------------ method
 @pytest.fixture(scope="module")
 def model():
