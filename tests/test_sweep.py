@@ -20,7 +20,7 @@ import typer
 from reasonkv.eval import replay as replay_mod
 from reasonkv.eval import sweep as sw
 from reasonkv.eval import sweep_cli
-from reasonkv.eval.report import load_records, markdown_table, summarize_results
+from reasonkv.eval.report import load_records, markdown_table, method_styles, summarize_results
 from test_cli import CharTokenizer, errors_of, runner, tiny_llama
 
 TESTS = Path(__file__).resolve().parent
@@ -563,6 +563,15 @@ def test_report_labels_a_method_run_with_two_knob_settings(tmp_path) -> None:
         line["config"]["knobs"] = knobs
     (section,) = summarize_results(lines)
     assert [r["label"] for r in section.rows] == ["snapkv[interval=8]@64", "snapkv[interval=32]@64"]
+
+
+def test_report_plot_styles_tell_thirteen_methods_apart() -> None:
+    """The publish sweep has 13 methods and matplotlib 10 colours: no two lines may look alike."""
+    names = [f"method-{i}" for i in range(13)]
+    styles = method_styles(names)
+    looks = {(s["color"], s["ls"], s["marker"]) for s in styles.values()}
+    assert len(looks) == 13
+    assert styles == method_styles(names)  # the same style for a method in every panel
 
 
 # -------------------------------------------------------------------------- CLI

@@ -235,6 +235,20 @@ def markdown_table(section: Section) -> str:
 
 
 # ----------------------------------------------------------------------- plots
+LEGEND_COLUMNS = 7
+_LINE_STYLES = ("-", "--", "-.", ":")
+_MARKERS = ("o", "s", "D", "^")
+
+
+def method_styles(names: list[str]) -> dict[str, dict]:
+    """A line style per method, the same in every panel: matplotlib's ten colours, then the
+    same colours again with another dash pattern and marker (a sweep has more than ten)."""
+    return {
+        name: {"color": f"C{i % 10}", "ls": _LINE_STYLES[i // 10 % 4], "marker": _MARKERS[i // 10 % 4]}
+        for i, name in enumerate(names)
+    }
+
+
 def plot_section(section: Section, path: str | Path) -> Path:
     """Metric vs budget, one line per method; a method without a budget (full) is a
     dashed horizontal line. Replay: mean KL and top-1, and a third panel of mean KL vs the
@@ -250,11 +264,14 @@ def plot_section(section: Section, path: str | Path) -> Path:
     else:
         panels = [("pass@1", "pass@1"), ("mean_length", "mean generated length [tokens]")]
     n_axes = len(panels) + (section.kind == "replay")  # replay adds KL vs live tokens
-    fig, axes = plt.subplots(1, n_axes, figsize=(5.5 * n_axes, 4))
     by_method: dict[str, list[dict]] = {}
     for row in section.rows:
         if row["units"] > row["errors"]:
             by_method.setdefault(row["name"], []).append(row)
+    style = method_styles(list(by_method))
+    legend_inches = 0.25 * math.ceil(len(by_method) / LEGEND_COLUMNS) + 0.15
+    height = 4 + legend_inches
+    fig, axes = plt.subplots(1, n_axes, figsize=(5.5 * n_axes, height))
     budgets = sorted({r["budget"] for r in section.rows if r["budget"] is not None})
     for ax, (metric, ylabel) in zip(axes, panels, strict=False):
         for name, rows in by_method.items():
@@ -265,7 +282,7 @@ def plot_section(section: Section, path: str | Path) -> Path:
             if flat:
                 ax.axhline(flat[0][metric], ls="--", color="grey", lw=1, label=name)
             if points:
-                ax.plot([b for b, _ in points], [v for _, v in points], marker="o", ms=4, label=name)
+                ax.plot([b for b, _ in points], [v for _, v in points], ms=4, label=name, **style[name])
         if budgets:
             ax.set_xscale("log", base=2)
             ax.set_xticks(budgets, [str(b) for b in budgets])
@@ -282,10 +299,9 @@ def plot_section(section: Section, path: str | Path) -> Path:
                 if r["live_tokens"] is not None and r["mean_kl"] is not None
             )
             if points:
-                style = {"ls": "none", "color": "grey"} if all(r["budget"] is None for r in rows) else {}
-                live_ax.plot(
-                    [x for x, _ in points], [y for _, y in points], marker="o", ms=4, label=name, **style
-                )
+                flat_only = all(r["budget"] is None for r in rows)
+                live_style = {"ls": "none", "color": "grey", "marker": "o"} if flat_only else style[name]
+                live_ax.plot([x for x, _ in points], [y for _, y in points], ms=4, label=name, **live_style)
         live_ax.set_xscale("log", base=2)
         live_ax.set_xlabel("live KV tokens per head (mean over positions)")
         live_ax.set_ylabel(panels[0][1])
@@ -294,9 +310,13 @@ def plot_section(section: Section, path: str | Path) -> Path:
         for ax in (axes[0], live_ax):  # KL spans decades and is 0 for full: log above 1e-3, linear below
             ax.set_yscale("symlog", linthresh=1e-3)
             ax.set_ylim(0, max(top * 2, 1e-2))
-    axes[1].legend(fontsize=7, ncol=2)
+    # One legend for all panels, below them: it then hides no line.
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(
+        handles, labels, loc="lower center", ncol=min(LEGEND_COLUMNS, len(labels)), fontsize=8, frameon=False
+    )
     fig.suptitle(section.title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, legend_inches / height, 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
