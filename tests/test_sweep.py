@@ -20,7 +20,7 @@ import typer
 from reasonkv.eval import replay as replay_mod
 from reasonkv.eval import sweep as sw
 from reasonkv.eval import sweep_cli
-from reasonkv.eval.report import load_records, markdown_table, method_styles, summarize_results
+from reasonkv.eval.report import load_records, markdown_table, method_styles, rich_table, summarize_results
 from test_cli import CharTokenizer, errors_of, runner, tiny_llama
 
 TESTS = Path(__file__).resolve().parent
@@ -577,6 +577,24 @@ def test_report_labels_a_method_run_with_two_knob_settings(tmp_path) -> None:
         line["config"]["knobs"] = knobs
     (section,) = summarize_results(lines)
     assert [r["label"] for r in section.rows] == ["snapkv[interval=8]@64", "snapkv[interval=32]@64"]
+
+
+def test_report_table_never_cuts_a_number_in_a_narrow_terminal() -> None:
+    """At 80 columns a long method name folds; the numbers stay whole and no column of
+    empty error cells takes room."""
+    from rich.console import Console
+
+    lines = [
+        replay_line(f"k{b}", "reasonalloc-layer-rkv", b, "t1", (1000, 123.456, 800, 600.0, 700.0))
+        for b in (64, 128, 256, 512)
+    ]
+    (section,) = summarize_results(lines)
+    console = Console(width=80, record=True)
+    console.print(rich_table(section))
+    text = console.export_text()
+    assert "…" not in text and "errors" not in text
+    assert text.count("0.1235") == 4  # mean KL 123.456 / 1000, in full on every row
+    assert max(len(line) for line in text.splitlines()) <= 80
 
 
 def test_report_plot_styles_tell_thirteen_methods_apart() -> None:

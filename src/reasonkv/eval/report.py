@@ -201,6 +201,7 @@ def rich_table(section: Section):
     from rich import box
     from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     caption = (
         "pooled over every scored trace position (tokens); mean KL(full ‖ method) in nats; top-1: "
@@ -215,11 +216,21 @@ def rich_table(section: Section):
         caption_justify="left",
         box=box.SIMPLE_HEAD,
         collapse_padding=True,
+        pad_edge=False,
     )
-    for name in COLUMNS[section.kind]:
-        table.add_column(name, justify="left" if name == "method" else "right", no_wrap=name == "method")
-    for row in section.rows:
-        table.add_row(*(escape(c) for c in cells(section.kind, row)), style="red" if row["errors"] else None)
+    names = list(COLUMNS[section.kind])
+    rows = [cells(section.kind, row) for row in section.rows]
+    if not any(row["errors"] for row in section.rows):  # an empty column only takes room
+        keep = [i for i, name in enumerate(names) if name != "errors"]
+        names, rows = [names[i] for i in keep], [[r[i] for i in keep] for r in rows]
+    for i, name in enumerate(names):
+        widest = max((len(r[i]) for r in rows), default=0)
+        if name == "method":  # a long name folds onto a second line in a narrow terminal
+            table.add_column(name, overflow="fold", min_width=min(widest, 12))
+        else:  # a number is never cut short; its header folds instead
+            table.add_column(Text(name, overflow="fold"), justify="right", min_width=widest)
+    for row, row_cells in zip(section.rows, rows, strict=True):
+        table.add_row(*(escape(c) for c in row_cells), style="red" if row["errors"] else None)
     return table
 
 
