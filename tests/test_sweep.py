@@ -590,7 +590,7 @@ def test_report_table_never_cuts_a_number_in_a_narrow_terminal() -> None:
     ]
     (section,) = summarize_results(lines)
     console = Console(width=80, record=True)
-    console.print(rich_table(section))
+    console.print(rich_table(section, width=80))
     text = console.export_text()
     assert "…" not in text and "errors" not in text
     assert text.count("0.1235") == 4  # mean KL 123.456 / 1000, in full on every row

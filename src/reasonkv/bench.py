@@ -717,6 +717,8 @@ def summary_table(record: dict):
     from rich import box
     from rich.table import Table
 
+    from reasonkv.tables import fill_table
+
     runs = record["runs"]
     lengths = record["lengths"]
     table = Table(
@@ -730,29 +732,30 @@ def summary_table(record: dict):
     )
     cols = ("method", "budget", "tok/s first", "tok/s last", "× full", "KV", "× full ", "peak KV", "RSS Δ")
     cols += ("score+select", "vs streaming", "top-1")
-    for c in cols:
-        table.add_column(c, justify="left" if c == "method" else "right", no_wrap=True)
+    rows = []
     for r in runs:
         ratios = r.get("ratios", {})
         last_mark = r["marks"][-1] if r["marks"] else {}
         kv_ratio = (ratios.get("kv_bytes") or [None])[-1]
         win_ratio = (ratios.get("windows") or [None])[-1]
         over = ratios.get("overhead_vs_streaming")
-        table.add_row(
-            r["method"],
-            "-" if r["budget"] is None else str(r["budget"]),
-            f"{r['windows'][0]['tokens_per_second']:.1f}",
-            f"{r['windows'][-1]['tokens_per_second']:.1f}",
-            _fmt(win_ratio, ".2f"),
-            format_bytes(last_mark.get("kv_bytes")),
-            _fmt(kv_ratio, ".3f"),
-            format_bytes(r["peak_kv_bytes"]),
-            format_bytes(r["rss_peak_delta"]),
-            f"{100 * r['score_select_fraction']:.1f}%",
-            "-" if over is None else f"{100 * over:+.1f}%",
-            _fmt(r["top1_agreement"], ".3f"),
+        rows.append(
+            [
+                r["method"],
+                "-" if r["budget"] is None else str(r["budget"]),
+                f"{r['windows'][0]['tokens_per_second']:.1f}",
+                f"{r['windows'][-1]['tokens_per_second']:.1f}",
+                _fmt(win_ratio, ".2f"),
+                format_bytes(last_mark.get("kv_bytes")),
+                _fmt(kv_ratio, ".3f"),
+                format_bytes(r["peak_kv_bytes"]),
+                format_bytes(r["rss_peak_delta"]),
+                f"{100 * r['score_select_fraction']:.1f}%",
+                "-" if over is None else f"{100 * over:+.1f}%",
+                _fmt(r["top1_agreement"], ".3f"),
+            ]
         )
-    return table
+    return fill_table(table, cols, rows)
 
 
 def windows_table(record: dict):

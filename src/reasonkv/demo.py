@@ -23,6 +23,7 @@ from rich.table import Table
 from reasonkv.api import generate, make_cache
 from reasonkv.models import DEFAULT_MODEL, load_model
 from reasonkv.registry import get_method
+from reasonkv.tables import fill_table
 
 PROBLEM = (
     "A store sells notebooks for $4 each and pens for $1.50 each. Maya buys some notebooks and "
@@ -133,25 +134,27 @@ def results_table(runs: list[DemoRun], budget: int, prompt_tokens: int) -> Table
         caption_justify="left",
         padding=(0, 1, 0, 0),
     )
-    for col in ("method", "tokens", "tok/s", "KV", "physical", "live", "evictions", "diverges"):
-        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
+    rows = []
     for run in runs:
         if run is full:
             diverge = "reference"
         else:
             at = first_divergence(full.tokens, run.tokens)
             diverge = "identical" if at is None else f"token {at}"
-        table.add_row(
-            run.method,
-            str(run.n_tokens),
-            f"{run.tokens_per_second:.1f}",
-            format_bytes(run.memory["kv_bytes"]),
-            format_bytes(run.memory["physical_bytes"]),
-            f"{run.memory['live_mean']:.1f}",
-            f"{run.memory['compressions']:g}",
-            diverge,
+        rows.append(
+            [
+                run.method,
+                str(run.n_tokens),
+                f"{run.tokens_per_second:.1f}",
+                format_bytes(run.memory["kv_bytes"]),
+                format_bytes(run.memory["physical_bytes"]),
+                f"{run.memory['live_mean']:.1f}",
+                f"{run.memory['compressions']:g}",
+                diverge,
+            ]
         )
-    return table
+    columns = ("method", "tokens", "tok/s", "KV", "physical", "live", "evictions", "diverges")
+    return fill_table(table, columns, rows)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from reasonkv.eval.accuracy import evaluate
 from reasonkv.eval.datasets import DATA_DIR_ENV, KNOWN, load_problems_from
 from reasonkv.models import DEFAULT_MODEL, load_model
 from reasonkv.registry import get_method
+from reasonkv.tables import fill_table
 
 THINK_HELP = (
     "For thinking models: if the completion has not closed </think> after N tokens, append "
@@ -40,10 +41,8 @@ def summary_table(result: dict) -> Table:
         caption_justify="left",
         box=box.SIMPLE_HEAD,
     )
-    for col in ("method", "budget", "pass@1", "mean length", "truncated", "tok/s", "peak KV", "mean live KV"):
-        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
-    table.add_row(
-        escape(result["method"]),
+    row = [
+        result["method"],
         str(budget),
         f"{result['pass@1']:.3f}",
         f"{result['mean_length']:.1f}",
@@ -51,8 +50,9 @@ def summary_table(result: dict) -> Table:
         f"{result['tokens_per_second']:.1f}",
         format_bytes(int(result["peak_kv_bytes"])),
         format_bytes(int(result["mean_live_kv_bytes"])),
-    )
-    return table
+    ]
+    columns = ("method", "budget", "pass@1", "mean length", "truncated", "tok/s", "peak KV", "mean live KV")
+    return fill_table(table, columns, [row])
 
 
 def problem_line(row: dict) -> str:

@@ -31,6 +31,7 @@ from reasonkv.eval.replay import (
 from reasonkv.eval.traces import load_traces, replay_input
 from reasonkv.models import DEFAULT_MODEL, load_model
 from reasonkv.registry import get_method
+from reasonkv.tables import fill_table
 
 MODEL_HELP = "Bundled name (smollm2-135m), local directory or .gguf file, or Hugging Face id."
 
@@ -186,20 +187,10 @@ def replay_command(
     tmp.replace(out)  # atomic: an interrupted run never leaves half a file
 
     table = Table(title=f"replay fidelity: {model_name}, {len(inputs)} traces, ≤{max_tokens} tokens")
-    for name, justify in (
-        ("method", "left"),
-        ("budget", "right"),
-        ("mean KL", "right"),
-        ("top-1", "right"),
-        ("ppl ratio", "right"),
-        ("tokens", "right"),
-        ("live/head", "right"),
-        ("seconds", "right"),
-    ):
-        table.add_column(name, justify=justify, style="bold cyan" if name == "method" else None)
-    for row in summary:
-        table.add_row(
-            escape(row["method"]),
+    columns = ("method", "budget", "mean KL", "top-1", "ppl ratio", "tokens", "live/head", "seconds")
+    rows = [
+        [
+            row["method"],
             "-" if row["budget"] is None else str(row["budget"]),
             _fmt(row["mean_kl"], ".4f"),
             _fmt(row["top1"], ".3f"),
@@ -207,7 +198,10 @@ def replay_command(
             str(row["positions"]),
             f"{row['live_tokens']:.0f}",
             f"{row['seconds']:.1f}",
-        )
+        ]
+        for row in summary
+    ]
+    fill_table(table, columns, rows, label_style="bold cyan", width=console.width)
     console.print(table)
     console.print(f"[dim]{wall:.1f} s wall; results -> {escape(str(out))}[/dim]", soft_wrap=True)
     if plot is not None:

@@ -197,11 +197,13 @@ def cells(kind: str, row: dict) -> list[str]:
     ]
 
 
-def rich_table(section: Section):
+def rich_table(section: Section, width: int | None = None):
+    """The section as a rich table fitted to `width` columns (default: the terminal's)."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
-    from rich.text import Text
+
+    from reasonkv.tables import fill_table
 
     caption = (
         "pooled over every scored trace position (tokens); mean KL(full ‖ method) in nats; top-1: "
@@ -223,14 +225,8 @@ def rich_table(section: Section):
     if not any(row["errors"] for row in section.rows):  # an empty column only takes room
         keep = [i for i, name in enumerate(names) if name != "errors"]
         names, rows = [names[i] for i in keep], [[r[i] for i in keep] for r in rows]
-    for i, name in enumerate(names):
-        widest = max((len(r[i]) for r in rows), default=0)
-        if name == "method":  # a long name folds onto a second line in a narrow terminal
-            table.add_column(name, overflow="fold", min_width=min(widest, 12))
-        else:  # a number is never cut short; its header folds instead
-            table.add_column(Text(name, overflow="fold"), justify="right", min_width=widest)
-    for row, row_cells in zip(section.rows, rows, strict=True):
-        table.add_row(*(escape(c) for c in row_cells), style="red" if row["errors"] else None)
+    styles = ["red" if row["errors"] else None for row in section.rows]
+    fill_table(table, names, rows, row_styles=styles, width=width)
     return table
 
 

@@ -170,7 +170,7 @@ def report_command(
     except (KeyError, TypeError) as err:
         fail(f"results lines lack a field the report needs: {err}")
     for section in sections:
-        console.print(rich_table(section))
+        console.print(rich_table(section, width=console.width))
     if unreadable:
         console.print(f"[yellow]{unreadable} unreadable line(s) skipped (an interrupted write?)[/yellow]")
     out_dir = out_dir if out_dir is not None else results[0].with_name(results[0].stem + "-report")
