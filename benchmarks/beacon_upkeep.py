@@ -22,10 +22,10 @@ import torch
 
 def decode_profile(model_name: str, budget: int, prompt: int, steps: int, seed: int) -> dict:
     import reasonkv
-    import reasonkv.policies.beacon as beacon
-    from reasonkv.bench import SectionTimer
-    from reasonkv.demo import quiet_loading
-    from reasonkv.models import load_model
+    import reasonkv.core.policy.scorers.beacon as beacon
+    from reasonkv.core.models import load_model
+    from reasonkv.harness.bench import SectionTimer
+    from reasonkv.util.runtime import quiet_loading
 
     with quiet_loading():
         model, _ = load_model(model_name)
@@ -72,7 +72,7 @@ def decode_profile(model_name: str, budget: int, prompt: int, steps: int, seed: 
 
 
 def fps_compile(shape: tuple[int, ...], keep: int, repeats: int) -> dict:
-    from reasonkv.policies.beacon import farthest_point_sample
+    from reasonkv.core.policy.scorers.beacon import farthest_point_sample
 
     points = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     seed = shape[-2] - 1

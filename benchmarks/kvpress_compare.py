@@ -49,7 +49,7 @@ PRESSES = ("snapkv", "snapkv-own-rope", "streaming", "knorm")
 # ------------------------------------------------------------------ shared arithmetic
 def fidelity(ref_logp, ref_argmax, logits):
     """Per position: KL(ref ‖ other) from the reference's log-probs [k, V] and the other's
-    logits [k, V], and top-1 agreement. The same formula as reasonkv.eval.replay (both
+    logits [k, V], and top-1 agreement. The same formula as reasonkv.harness.replay (both
     venvs run this one function)."""
     import torch
 
@@ -196,11 +196,11 @@ def worker_reasonkv(job: dict, result_path: Path) -> None:
     import torch
     import transformers
 
-    from reasonkv.api import make_cache
-    from reasonkv.bench import cache_bytes
-    from reasonkv.demo import quiet_loading
-    from reasonkv.eval.traces import load_traces, replay_input
-    from reasonkv.models import BUNDLED_GGUF, bundled_gguf_path, load_model
+    from reasonkv.core.models import BUNDLED_GGUF, bundled_gguf_path, load_model
+    from reasonkv.harness.bench import cache_bytes
+    from reasonkv.harness.traces import load_traces, replay_input
+    from reasonkv.methods.api import make_cache
+    from reasonkv.util.runtime import quiet_loading
 
     torch.set_num_threads(job["threads"])
     with quiet_loading():

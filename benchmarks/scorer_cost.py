@@ -29,7 +29,7 @@ def synthetic_observation(
     batch: int, kv_heads: int, groups: int, tokens: int, dim: int, window: int, seed: int
 ):
     """An observation of the last `window` queries over `tokens` real keys, and the keys/values."""
-    from reasonkv.policies import Observation
+    from reasonkv.core.policy import Observation
 
     gen = torch.Generator().manual_seed(seed)
     obs = Observation(
@@ -44,7 +44,7 @@ def synthetic_observation(
 
 
 def time_scorer(method: str, obs, keys, values, repeat: int) -> dict:
-    from reasonkv.registry import get_method
+    from reasonkv.methods.registry import get_method
 
     scorer = get_method(method).scorer()
     scorer.score(obs, keys, values)  # warm-up
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     args = ap.parse_args()
 
-    from reasonkv.demo import set_threads
+    from reasonkv.util.runtime import set_threads
 
     set_threads()
     shape = {k: getattr(args, k) for k in ("batch", "kv_heads", "groups", "tokens", "dim", "window")}

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 import reasonkv
-from reasonkv.eval.traces import load_traces
-from reasonkv.profile import PACKAGED_PROFILES, curve_agreement, profile_traces
+from reasonkv.harness.profile import curve_agreement, profile_traces
+from reasonkv.harness.traces import load_traces
+from reasonkv.methods.profiles import PACKAGED_PROFILES
 
 TRACES = Path(sys.argv[1] if len(sys.argv) > 1 else "../shared/data/traces/mip_overthinking_math500.jsonl")
 

@@ -13,9 +13,9 @@ import typer
 from transformers import DynamicCache
 
 import reasonkv
-from reasonkv.eval import accuracy_cli
-from reasonkv.eval import datasets as ds
-from reasonkv.eval.accuracy import INSTRUCTION, THINK_CLOSE, build_prompt, evaluate
+from reasonkv.cli import evaluate as accuracy_cli
+from reasonkv.harness import datasets as ds
+from reasonkv.harness.accuracy import INSTRUCTION, THINK_CLOSE, build_prompt, evaluate
 from test_cli import CharTokenizer, errors_of, runner, tiny_llama
 
 SHARED_MATH = Path(__file__).resolve().parents[2] / "shared" / "data" / "math"

@@ -10,9 +10,9 @@ import torch
 
 from conftest import HEAD_DIM, dynamic_cache, greedy_loop, left_pad, random_prompt, tiny_model
 from reasonkv import make_cache
-from reasonkv.budgets import AdaKVHeadAllocator, PyramidAllocator
-from reasonkv.budgets.pyramid import pyramid_layer_budgets
-from reasonkv.policies import EMPTY, Observation, protected_mask
+from reasonkv.core.policy import EMPTY, Observation, protected_mask
+from reasonkv.core.policy.allocators import AdaKVHeadAllocator, PyramidAllocator
+from reasonkv.core.policy.allocators.pyramid import pyramid_layer_budgets
 
 # ----------------------------------------------------------------------------- pyramid
 

@@ -11,8 +11,8 @@ import torch
 import typer
 
 from conftest import build_tiny_model
-from reasonkv import analyze_cli
-from reasonkv.analyze import (
+from reasonkv.cli import analyze as analyze_cli
+from reasonkv.harness.analyze import (
     NEVER_EVICTED,
     RevisitRule,
     analyze_trace,
@@ -31,9 +31,9 @@ from reasonkv.analyze import (
     simulate_beacons,
     update_eviction_times,
 )
-from reasonkv.analyze_report import plot_pca
-from reasonkv.eval.replay import ReplayRun
-from reasonkv.profile import profile_trace
+from reasonkv.harness.analyze_report import plot_pca
+from reasonkv.harness.profile import profile_trace
+from reasonkv.harness.replay import ReplayRun
 from test_cli import CharTokenizer, runner
 
 F64 = torch.float64
@@ -219,7 +219,7 @@ TRACE_ROW = {
 
 @pytest.fixture(scope="module")
 def tiny_inputs():
-    from reasonkv.eval.traces import replay_input
+    from reasonkv.harness.traces import replay_input
 
     inp = replay_input(CharTokenizer(), TRACE_ROW, 150)
     return inp.input_ids, inp.prompt_len

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from reasonkv.eval.answers import extract_boxed, is_correct, normalise
+from reasonkv.harness.answers import extract_boxed, is_correct, normalise
 
 
 @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ def test_is_correct_works_outside_the_main_thread() -> None:
 
 
 def test_is_correct_falls_back_to_strings_without_math_verify(monkeypatch) -> None:
-    import reasonkv.eval.answers as answers
+    import reasonkv.harness.answers as answers
 
     monkeypatch.setattr(answers, "_math_verify", lambda pred, gold: None)
     assert is_correct(r"\dfrac{1}{2}", r"\frac{1}{2}")

@@ -14,10 +14,10 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from conftest import dynamic_cache, greedy_loop, left_pad, random_prompt, tiny_model
 from method_helpers import tiny_llama_config
 from reasonkv import make_cache
-from reasonkv.cache import CompressedLayer
-from reasonkv.policies import EMPTY, BeaconKVScorer, Observation, protected_mask, select_tokens
-from reasonkv.policies.beacon import DUPLICATE_EPS, add_points, farthest_point_sample
-from reasonkv.policies.rope import apply_rope, rerotate, unapply_rope
+from reasonkv.core.cache import CompressedLayer
+from reasonkv.core.policy import EMPTY, BeaconKVScorer, Observation, protected_mask, select_tokens
+from reasonkv.core.policy.rope import apply_rope, rerotate, unapply_rope
+from reasonkv.core.policy.scorers.beacon import DUPLICATE_EPS, add_points, farthest_point_sample
 
 D = 16
 ROPES = {
@@ -487,7 +487,7 @@ def test_all_layers_fed_in_one_pass_equal_each_layer_fed_alone(monkeypatch, upke
     by one. Same tokens, same kept slots, same beacons, in a padded GQA batch with eviction,
     and the queues really wait for the last layer (every layer's is empty after a batched
     pass). A prompt whose leaving queries outnumber the backlog is fed at once, alone."""
-    import reasonkv.policies.beacon as beacon
+    import reasonkv.core.policy.scorers.beacon as beacon
 
     model = tiny_model("qwen2", "sdpa", 2)
     prompts = [random_prompt(n, seed=60 + n)[0] for n in (50, 27)]

@@ -1,4 +1,4 @@
-"""The speed/memory benchmark (reasonkv.bench, `reasonkv bench`): every run is fed exactly the
+"""The speed/memory benchmark (reasonkv.harness.bench, `reasonkv bench`): every run is fed exactly the
 reference tokens, memory marks are what cache.memory() says, the timing wrappers count what
 the cache does (and change nothing), the JSON and the command. No timing assertions."""
 
@@ -14,9 +14,10 @@ import typer
 from typer.testing import CliRunner
 
 from conftest import N_LAYERS, greedy_loop, random_prompt, tiny_model
-from reasonkv import bench, bench_cli
-from reasonkv.api import make_cache
-from reasonkv.eval.replay import compare_logits
+from reasonkv.cli import bench as bench_cli
+from reasonkv.harness import bench
+from reasonkv.harness.replay import compare_logits
+from reasonkv.methods.api import make_cache
 from test_cli import CharTokenizer, tiny_llama
 
 runner = CliRunner()
@@ -353,7 +354,7 @@ def kvpress_compare():
 
 
 def test_kvpress_compare_fidelity_matches_the_replay_arithmetic() -> None:
-    """The script's own KL/top-1 (both venvs use it) agree with reasonkv.eval.replay's."""
+    """The script's own KL/top-1 (both venvs use it) agree with reasonkv.harness.replay's."""
     module = kvpress_compare()
     gen = torch.Generator().manual_seed(0)
     ref, other = torch.randn(6, 50, generator=gen), torch.randn(6, 50, generator=gen)

@@ -13,10 +13,12 @@ from typer.testing import CliRunner
 
 import reasonkv
 from method_helpers import tiny_llama_config
-from reasonkv import cli, demo
-from reasonkv.policies import StreamingScorer
-from reasonkv.registry import METHODS, MethodSpec
-from reasonkv.schedules import MaxMinThreshold
+from reasonkv.cli import main as cli
+from reasonkv.core.policy import StreamingScorer
+from reasonkv.core.policy.schedules import MaxMinThreshold
+from reasonkv.harness import demo
+from reasonkv.methods.registry import METHODS, MethodSpec
+from reasonkv.util import runtime
 
 runner = CliRunner()
 WIDE = {"COLUMNS": "250"}
@@ -330,9 +332,9 @@ def test_thread_count_defaults_to_at_most_four_and_obeys_the_environment(monkeyp
     before = torch.get_num_threads()
     try:
         monkeypatch.delenv("REASONKV_THREADS", raising=False)
-        assert demo.set_threads() == min(4, os.cpu_count() or 1) == torch.get_num_threads()
+        assert runtime.set_threads() == min(4, os.cpu_count() or 1) == torch.get_num_threads()
         monkeypatch.setenv("REASONKV_THREADS", "1")
-        assert demo.set_threads() == 1 == torch.get_num_threads()
+        assert runtime.set_threads() == 1 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
 

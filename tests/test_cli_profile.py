@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from reasonkv import cli
-from reasonkv.profile import config_hash, load_profile
+from reasonkv.cli import main as cli
+from reasonkv.methods.profiles import config_hash, load_profile
 from test_cli import WIDE, fake_loader, runner  # noqa: F401 (fixture)
 
 
@@ -82,7 +82,7 @@ def test_generate_record_then_plot_budgets(tmp_path, fake_loader) -> None:  # no
 
 
 def test_generate_takes_a_profile_file_for_reasonalloc(tmp_path, fake_loader) -> None:  # noqa: F811
-    from reasonkv.profile import save_profile
+    from reasonkv.methods.profiles import save_profile
     from test_cli import tiny_llama
 
     model = tiny_llama()

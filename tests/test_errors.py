@@ -15,7 +15,7 @@ from transformers import (
 
 import reasonkv
 from conftest import build_tiny_model, random_prompt, tiny_model
-from reasonkv.models import check_supported
+from reasonkv.core.models import check_supported
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 

@@ -12,7 +12,7 @@ import torch
 
 import reasonkv
 from conftest import HEAD_DIM, N_LAYERS, greedy_loop, random_prompt, tiny_model
-from reasonkv.policies.base import EMPTY
+from reasonkv.core.policy.base import EMPTY
 
 PROMPT, NEW = 10, 48
 BUDGET = 16

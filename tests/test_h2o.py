@@ -12,10 +12,10 @@ import torch
 
 from method_helpers import assert_no_eviction_matches_stock, greedy, padded_prompts, tiny_model
 from reasonkv import make_cache
-from reasonkv.models import attention_modules
-from reasonkv.policies import EMPTY, H2OScorer, Observation, protected_mask, select_tokens
-from reasonkv.policies import h2o as h2o_module
-from reasonkv.schedules import EveryStep
+from reasonkv.core.models import attention_modules
+from reasonkv.core.policy import EMPTY, H2OScorer, Observation, protected_mask, select_tokens
+from reasonkv.core.policy.schedules import EveryStep
+from reasonkv.core.policy.scorers import h2o as h2o_module
 
 
 # ----------------------------------------------------------------------------- helpers

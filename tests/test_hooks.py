@@ -7,8 +7,8 @@ import torch
 
 import reasonkv
 from conftest import left_pad, random_prompt, tiny_model
-from reasonkv.policies.h2o import H2OScorer
-from reasonkv.policies.snapkv import SnapKVScorer
+from reasonkv.core.policy.scorers.h2o import H2OScorer
+from reasonkv.core.policy.scorers.snapkv import SnapKVScorer
 
 
 def test_on_step_gets_this_forwards_queries_and_the_previous_window(monkeypatch) -> None:

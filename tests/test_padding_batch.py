@@ -9,7 +9,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import reasonkv
 from conftest import left_pad, random_prompt, tiny_model
-from reasonkv.policies.base import EMPTY
+from reasonkv.core.policy.base import EMPTY
 
 NEW = 48
 LENGTHS = (5, 17, 11)  # the 17-token row compresses already at prefill for the every-step methods

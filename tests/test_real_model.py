@@ -48,7 +48,7 @@ def test_default_model_full_matches_dynamic_cache_and_snapkv_saves_memory(smollm
 
 def test_packaged_reasoning_wave_profile_drives_reasonalloc(smollm2) -> None:
     model, tokenizer = smollm2
-    from reasonkv.profile import find_profile, load_profile
+    from reasonkv.methods.profiles import find_profile, load_profile
 
     path = find_profile(model.config)
     assert path is not None and path.name == "smollm2-135m.json", "the default model's profile must ship"

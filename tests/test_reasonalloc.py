@@ -10,16 +10,9 @@ import torch
 
 import reasonkv
 from conftest import N_LAYERS, build_tiny_model, greedy_loop, random_prompt, tiny_model
-from reasonkv.budgets.reasonalloc import EntropyHeadSplit, layer_budgets
-from reasonkv.profile import (
-    config_hash,
-    curve_agreement,
-    find_profile,
-    load_profile,
-    plot_wave,
-    profile_trace,
-    save_profile,
-)
+from reasonkv.core.policy.allocators.reasonalloc import EntropyHeadSplit, layer_budgets
+from reasonkv.harness.profile import curve_agreement, plot_wave, profile_trace
+from reasonkv.methods.profiles import config_hash, find_profile, load_profile, save_profile
 
 
 def _profile_for(model, demand: list[float], path) -> str:

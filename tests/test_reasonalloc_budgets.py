@@ -6,14 +6,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reasonkv.budgets.reasonalloc import (
+from reasonkv.core.policy.allocators.reasonalloc import (
     largest_remainder,
     layer_budgets,
     normalised_entropy,
     split_by_utility,
     water_fill,
 )
-from reasonkv.policies.base import EMPTY, Observation
+from reasonkv.core.policy.base import EMPTY, Observation
 
 
 @settings(max_examples=200, deadline=None)

@@ -23,7 +23,7 @@ def profile_knobs(model, method: str) -> dict:
     one with a non-flat demand curve, so layers really get different budgets."""
     if "profile" not in reasonkv.get_method(method).knobs():
         return {}
-    from reasonkv.profile import config_hash, save_profile
+    from reasonkv.methods.profiles import config_hash, save_profile
 
     n = model.config.num_hidden_layers
     folder = Path(tempfile.gettempdir()) / "reasonkv-test-profiles"

@@ -1,4 +1,4 @@
-"""Trace-replay fidelity (reasonkv.eval.replay): the chunk plan lands exactly on compression
+"""Trace-replay fidelity (reasonkv.harness.replay): the chunk plan lands exactly on compression
 points, so chunked teacher forcing equals token-by-token decoding; the full cache against
 itself is exactly faithful; the KL / NLL / perplexity arithmetic; the `replay` command."""
 
@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 import reasonkv
 from conftest import N_LAYERS, build_tiny_model, random_prompt, tiny_model
-from reasonkv.eval import replay_cli
-from reasonkv.eval.replay import (
+from reasonkv.cli import replay as replay_cli
+from reasonkv.harness.replay import (
     ReplayResult,
     ReplayRun,
     chunk_plan,
@@ -28,7 +28,7 @@ from reasonkv.eval.replay import (
     replay_trace,
     summarize,
 )
-from reasonkv.eval.traces import ReplayInput
+from reasonkv.harness.traces import ReplayInput
 from test_cli import CharTokenizer, tiny_llama
 from test_registry_methods import profile_knobs
 
@@ -336,7 +336,7 @@ def test_replay_command_writes_results_table_and_plot(loader, tmp_path) -> None:
     # The JSON holds exactly what the library computes for the same trace.
     model, tok = tiny_llama(), CharTokenizer()
     rows = [json.loads(line) for line in traces.read_text().splitlines()]
-    inp = reasonkv.eval.traces.replay_input(tok, rows[0], 90)
+    inp = reasonkv.harness.traces.replay_input(tok, rows[0], 90)
     direct = replay_trace(model, inp.input_ids, inp.prompt_len, "snapkv", 16, {"interval": 8})
     stored = next(r for r in record["per_trace"] if r["trace"] == "wp-1" and r["budget"] == 16)
     assert stored["method"] == "snapkv"

@@ -9,7 +9,7 @@ import torch
 
 from method_helpers import assert_no_eviction_matches_stock, greedy, padded_prompts, tiny_model
 from reasonkv import make_cache
-from reasonkv.policies import EMPTY, Observation, RKVScorer, protected_mask, select_tokens
+from reasonkv.core.policy import EMPTY, Observation, RKVScorer, protected_mask, select_tokens
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -172,7 +172,7 @@ def test_rkv_row_without_similar_token_zeroes_nothing():
 def test_rkv_redundancy_in_passes_equals_one_pass(monkeypatch, heads_per_pass):
     """The similarities go a few heads at a time (B x H = 4, not a multiple of 3: a short last
     pass); the scores are those of one pass over every head."""
-    import reasonkv.policies.rkv as rkv
+    import reasonkv.core.policy.scorers.rkv as rkv
 
     obs, keys = random_obs(3, seed=5)
     whole = RKVScorer().redundancy(obs, keys)

@@ -10,8 +10,8 @@ import torch
 
 from method_helpers import assert_no_eviction_matches_stock, greedy, padded_prompts, tiny_model
 from reasonkv import make_cache
-from reasonkv.policies import EMPTY, Observation, RPCScorer, protected_mask, select_tokens
-from reasonkv.schedules import PeriodicRatio
+from reasonkv.core.policy import EMPTY, Observation, RPCScorer, protected_mask, select_tokens
+from reasonkv.core.policy.schedules import PeriodicRatio
 
 P, R, C = 16, 4, 4  # small paper hyper-parameters: every 16 tokens keep 16/4 = 4, 4 selectors
 RPC_KNOBS = dict(budget=P // C, ratio=C, window=R, n_recent=R)

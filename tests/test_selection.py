@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reasonkv.policies.base import EMPTY
-from reasonkv.policies.selection import evict_one, protected_mask, select_tokens
+from reasonkv.core.policy.base import EMPTY
+from reasonkv.core.policy.selection import evict_one, protected_mask, select_tokens
 
 
 def random_token_index(gen: torch.Generator, b: int, h: int, t: int, empty_p: float) -> torch.Tensor:

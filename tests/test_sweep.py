@@ -17,10 +17,10 @@ import pytest
 import torch
 import typer
 
-from reasonkv.eval import replay as replay_mod
-from reasonkv.eval import sweep as sw
-from reasonkv.eval import sweep_cli
-from reasonkv.eval.report import load_records, markdown_table, method_styles, rich_table, summarize_results
+from reasonkv.cli import sweep as sweep_cli
+from reasonkv.harness import replay as replay_mod
+from reasonkv.harness import sweep as sw
+from reasonkv.harness.report import load_records, markdown_table, method_styles, rich_table, summarize_results
 from test_cli import CharTokenizer, errors_of, runner, tiny_llama
 
 TESTS = Path(__file__).resolve().parent
@@ -280,7 +280,8 @@ def test_kill_9_mid_sweep_then_resume(tmp_path) -> None:
     )
     out = tmp_path / "res.jsonl"
     code = (
-        "import sys\nfrom reasonkv.eval import sweep as s\ns.run_sweep(s.load_grid(sys.argv[1]), sys.argv[2])"
+        "import sys\nfrom reasonkv.harness import sweep as s\n"
+        "s.run_sweep(s.load_grid(sys.argv[1]), sys.argv[2])"
     )
     env = {
         **os.environ,
@@ -439,7 +440,7 @@ def test_ray_two_workers_give_the_results_of_one(tmp_path) -> None:
     pytest.importorskip("ray")
     code = (
         "import sys\nfrom pathlib import Path\nimport test_sweep as t\n"
-        "from reasonkv.eval import sweep as sw\n"
+        "from reasonkv.harness import sweep as sw\n"
         "tmp = Path(sys.argv[1])\ngrid = t.grid_of(tmp, models=['tiny', 'tiny-b'])\n"
         "sw.run_sweep(grid, tmp / 'one.jsonl', threads=1)\n"
         "stats = sw.run_sweep(grid, tmp / 'two.jsonl', workers=2, threads=1)\n"

@@ -7,7 +7,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from reasonkv.tables import fill_table
+from reasonkv.util.tables import fill_table
 
 
 def render(table: Table, width: int) -> str:

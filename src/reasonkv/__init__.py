@@ -1,9 +1,9 @@
 """reasonkv: keep the KV cache of a reasoning LLM small while it writes a long chain of thought."""
 
-from reasonkv.api import generate, install_attention, make_cache
-from reasonkv.cache import CompressedCache
-from reasonkv.models import DEFAULT_MODEL, UnsupportedModelError, load_model
-from reasonkv.registry import available_methods, get_method
+from reasonkv.core.cache import CompressedCache
+from reasonkv.core.models import DEFAULT_MODEL, UnsupportedModelError, load_model
+from reasonkv.methods.api import generate, install_attention, make_cache
+from reasonkv.methods.registry import available_methods, get_method
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,1 @@
+"""The `reasonkv` command line (typer). The app is assembled in `reasonkv.cli.main`."""

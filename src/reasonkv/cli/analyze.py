@@ -1,0 +1,205 @@
+"""`reasonkv analyze`: show what the cache is doing on one trace (revisits, beacons, the wave).
+
+Registered by the CLI module as `app.command("analyze")(analyze_command)`. reasonkv.cli.main is
+imported inside the function, so cli.py may import this module at any point without a cycle.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from reasonkv.core.models import DEFAULT_MODEL, load_model
+from reasonkv.harness.analyze import RevisitRule, analyze_trace, default_distance
+from reasonkv.harness.traces import load_traces, replay_input
+from reasonkv.util.runtime import quiet_loading, set_threads
+
+MODEL_HELP = "Bundled name (smollm2-135m), local directory or .gguf file, or Hugging Face id."
+
+
+def _int_list(text: str | None, what: str) -> list[int] | None:
+    from reasonkv.cli.main import CliError
+
+    if text is None or text.strip().lower() == "auto":
+        return None
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"{what} takes comma-separated integers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise CliError(f"{what} takes comma-separated non-negative integers, got {text!r}")
+    return sorted(dict.fromkeys(values))
+
+
+def analyze_command(
+    traces: Annotated[Path, typer.Option("--traces", help="jsonl with id, problem, trace.")],
+    out: Annotated[Path, typer.Option("--out", help="Folder for index.html, the PNGs and summary.json.")],
+    trace_id: Annotated[
+        str | None, typer.Option("--id", help="The trace to analyse (default: the first of --variant).")
+    ] = None,
+    model_name: Annotated[str, typer.Option("--model", help=MODEL_HELP)] = DEFAULT_MODEL,
+    variant: Annotated[
+        str, typer.Option("--variant", help="Rows of this `variant` ('all' = every row).")
+    ] = "well_posed",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Truncate prompt + trace to this.")] = 2048,
+    layers: Annotated[
+        str | None,
+        typer.Option("--layers", help="Layers to draw, e.g. 0,15,29 (default: the 3 with most revisits)."),
+    ] = None,
+    heads: Annotated[
+        str | None,
+        typer.Option(
+            "--heads", help="KV heads to draw in each layer (default: its head with most revisits)."
+        ),
+    ] = None,
+    methods: Annotated[
+        str, typer.Option("--methods", "-m", help="Methods to count missed revisits of ('none' = skip).")
+    ] = "snapkv,rkv,beaconkv",
+    budget: Annotated[int, typer.Option("--budget", "-b", help="Tokens per KV head for the methods.")] = 128,
+    sets: Annotated[
+        list[str] | None,
+        typer.Option("--set", "-s", help="key=value for every method that has the knob (repeatable)."),
+    ] = None,
+    distance: Annotated[
+        int | None, typer.Option("--distance", help="D: far = at least this many tokens back (default n/8).")
+    ] = None,
+    fraction: Annotated[
+        float, typer.Option("--fraction", help="φ: global when the top-k far keys hold this share.")
+    ] = 0.3,
+    top_k: Annotated[int, typer.Option("--top-k", help="k strongest far keys make the far mass.")] = 8,
+    n_sink: Annotated[int, typer.Option("--n-sink", help="The first N tokens are sinks (left out).")] = 4,
+    persistent: Annotated[
+        float,
+        typer.Option(
+            "--persistent", help="σ: keys in the top-k far keys of this share of queries (0 = off)."
+        ),
+    ] = 0.5,
+    needed_mass: Annotated[
+        float, typer.Option("--needed-mass", help="Needed keys hold this share of the top-k far mass.")
+    ] = 0.5,
+    stride: Annotated[int, typer.Option(help="Record every N-th trace query.")] = 1,
+    window: Annotated[int, typer.Option(help="Queries (rows) in the attention maps.")] = 256,
+) -> None:
+    """Replay one trace with the full cache and show thought revisiting: which queries look far
+    back, what they read, the beacons BeaconKV would keep, the Reasoning Wave, and how many of
+    the needed tokens each method had already evicted (missed revisits). Writes OUT/index.html."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from reasonkv.cli.main import CliError, console, err_console, fail, parse_sets, split_list
+    from reasonkv.cli.replay import build_runs
+    from reasonkv.methods.profiles import find_profile, load_profile
+
+    try:
+        if methods.strip().lower() in ("none", ""):
+            runs = []
+        else:
+            if budget <= 0:
+                raise CliError(f"budget must be a positive number of tokens per KV head, got {budget}")
+            runs = build_runs(split_list(methods, "--methods"), [budget], parse_sets(sets))
+        layer_list = _int_list(layers, "--layers")
+        head_list = _int_list(heads, "--heads")
+        if max_tokens <= 2:
+            raise CliError(f"--max-tokens must be at least 3, got {max_tokens}")
+        if stride <= 0 or window <= 0:
+            raise CliError("--stride and --window must be positive")
+        if not 0.0 < needed_mass <= 1.0:
+            raise CliError(f"--needed-mass must be in (0, 1], got {needed_mass}")
+        rows = load_traces(
+            traces, variant=None if variant == "all" else variant, ids=[trace_id] if trace_id else None
+        )
+        if not rows:
+            raise CliError(f"{traces}: no traces of variant {variant!r}")
+        row = rows[0]
+        # Checked now with a placeholder D, so a bad φ/σ/k fails before the model loads.
+        RevisitRule(distance or 1, fraction, n_sink, top_k, persistent or None)
+        set_threads()
+        with err_console.status(f"loading {model_name}…"), quiet_loading():
+            model, tokenizer = load_model(model_name)
+        n_layers = model.config.num_hidden_layers
+        n_kv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+        if layer_list and max(layer_list) >= n_layers:
+            raise CliError(f"--layers: the model has layers 0..{n_layers - 1}, got {layers}")
+        if head_list and max(head_list) >= n_kv:
+            raise CliError(f"--heads: the model has KV heads 0..{n_kv - 1}, got {heads}")
+        inp = replay_input(tokenizer, row, max_tokens)
+        n = int(inp.input_ids.shape[1])
+        if n - inp.prompt_len < 2:
+            raise CliError(f"trace {row['id']} is too short to analyse (under 2 trace tokens)")
+        rule = RevisitRule(distance or default_distance(n), fraction, n_sink, top_k, persistent or None)
+        from reasonkv.methods.api import make_cache
+
+        for run in runs:  # build each cache once: budget/knob errors surface before any work
+            make_cache(model, run.method, run.budget, **run.knobs)
+    except (CliError, ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+    profile_path = find_profile(model.config)
+    profile = load_profile(profile_path, model.config) if profile_path is not None else None
+    trace_tokens = n - inp.prompt_len
+    total = trace_tokens * (2 if (rule.persistent is not None or layer_list is None) else 1)
+    start = time.perf_counter()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err_console) as progress:
+        task = progress.add_task(f"analysing {row['id']} ({n} tokens, {len(runs)} methods)", total=total)
+        analysis = analyze_trace(
+            model,
+            inp.input_ids,
+            inp.prompt_len,
+            rule,
+            trace_id=row["id"],
+            stride=stride,
+            window=window,
+            layers=layer_list,
+            needed_mass=needed_mass,
+            runs=runs,
+            progress=lambda stage, k: progress.update(task, advance=k, description=f"{stage} {row['id']}"),
+        )
+    parts = ["--traces", traces, "--out", out, "--id", row["id"], "--model", model_name]
+    parts += ["--max-tokens", max_tokens, "--methods", methods, "--budget", budget]
+    parts += ["--distance", rule.distance, "--fraction", fraction, "--top-k", top_k, "--n-sink", n_sink]
+    parts += [
+        "--persistent",
+        persistent,
+        "--needed-mass",
+        needed_mass,
+        "--stride",
+        stride,
+        "--window",
+        window,
+    ]
+    parts += ["--layers", ",".join(map(str, analysis.layers))]
+    parts += ["--heads", heads] if heads is not None else []
+    parts += ["--variant", variant] if variant != "well_posed" else []
+    for item in sets or []:
+        parts += ["--set", item]
+    command = "reasonkv analyze " + " ".join(shlex.quote(str(a)) for a in parts)
+
+    from reasonkv.harness.analyze_report import write_report
+
+    summary = write_report(
+        analysis, tokenizer, out, heads=head_list, profile=profile, model_name=model_name, command=command
+    )
+    wall = time.perf_counter() - start
+    share = analysis.global_fraction()
+    console.print(
+        f"{row['id']}: {summary['global_queries']} global (layer, head, query) triples; most revisiting "
+        f"layer {int(share.mean(-1).argmax())} ({100 * float(share.mean(-1).max()):.1f}% of its queries); "
+        f"rule: D={rule.distance}, φ={rule.fraction:g}, top-{rule.top_k}",
+        soft_wrap=True,
+    )
+    for m in summary["methods"]:
+        kl = "-" if m["mean_kl"] is None else f"{m['mean_kl']:.4f}"
+        console.print(
+            f"  {escape(m['label'])}: missed {m['missed_keys']}/{m['needed_keys']} needed keys "
+            f"({100 * m['missed_fraction']:.1f}%), {m['queries_with_missed']} global queries with a miss, "
+            f"mean KL {kl}",
+            soft_wrap=True,
+        )
+    console.print(
+        f"[dim]{wall:.1f} s wall; report -> {escape(str(out / 'index.html'))}[/dim]", soft_wrap=True
+    )

@@ -1,0 +1,209 @@
+"""`reasonkv bench`: decode speed and memory of methods × budgets on identical tokens.
+
+Registered by the CLI module as `app.command("bench")(bench_command)`. reasonkv.cli.main is
+imported inside the function, so cli.py may import this module at any point without a cycle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+from rich.markup import escape
+
+from reasonkv.core.models import DEFAULT_MODEL, load_model
+from reasonkv.harness import bench
+from reasonkv.harness.demo import PROBLEM
+from reasonkv.methods.api import make_cache
+from reasonkv.util.runtime import quiet_loading, set_threads
+
+MODEL_HELP = "Bundled name (smollm2-135m), local directory or .gguf file, or Hugging Face id."
+
+
+def profile_table(profiles: list[dict]):
+    """Milliseconds per decode step by group, one row per profiled run."""
+    from rich import box
+    from rich.table import Table
+
+    groups = list(profiles[0]["groups_seconds_per_step"])
+    table = Table(
+        title=f"one decode step at {profiles[0]['context']} generated tokens (ms, torch.profiler, "
+        f"mean of {profiles[0]['steps']} steps)",
+        caption="step: unprofiled wall time; the groups are inclusive CPU time under the profiler "
+        "(which adds overhead: they sum to the profiled step).",
+        box=box.SIMPLE_HEAD,
+        caption_justify="left",
+    )
+    table.add_column("run", no_wrap=True)
+    table.add_column("step", justify="right")
+    for g in groups:
+        table.add_column(g, justify="right")
+    for p in profiles:
+        cells = [f"{1000 * p['groups_seconds_per_step'][g]:.2f}" for g in groups]
+        table.add_row(p["label"], f"{1000 * p['step_seconds']:.1f}", *cells)
+    return table
+
+
+def bench_command(
+    model_name: Annotated[str, typer.Option("--model", help=MODEL_HELP)] = DEFAULT_MODEL,
+    methods: Annotated[
+        str, typer.Option("--methods", "-m", help="Comma-separated names from `reasonkv methods` (+ full).")
+    ] = "full,streaming,snapkv,rkv,beaconkv",
+    budgets: Annotated[
+        str, typer.Option("--budgets", "-b", help="Comma-separated tokens per KV head.")
+    ] = "512",
+    lengths: Annotated[
+        str,
+        typer.Option("--lengths", "-l", help="Generated-token marks (the largest is the decode length)."),
+    ] = "1024,2048,4096,8192",
+    window: Annotated[int, typer.Option("--window", help="Decode steps per tokens/s window.")] = 1024,
+    sets: Annotated[
+        list[str] | None,
+        typer.Option("--set", "-s", help="key=value for every method that has the knob (repeatable)."),
+    ] = None,
+    out: Annotated[Path, typer.Option("--out", help="Where to write the results JSON.")] = Path("bench.json"),
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Also draw tok/s and KV bytes vs length into this folder.")
+    ] = None,
+    prompt: Annotated[
+        str, typer.Option("--prompt", help="User message (chat template); default: the demo's problem.")
+    ] = PROBLEM,
+    attn: Annotated[str, typer.Option(help="Attention backend: sdpa or eager.")] = "sdpa",
+    interleave: Annotated[
+        bool,
+        typer.Option(
+            "--interleave/--sequential",
+            help="Advance all runs step by step together (fair ratios on a busy machine; no per-run RSS), "
+            "or one run after the other (per-run RSS).",
+        ),
+    ] = False,
+    sample_every: Annotated[
+        int, typer.Option("--sample-every", help="Decode steps between samples of cache bytes and RSS.")
+    ] = bench.SAMPLE_EVERY,
+    profile_at: Annotated[
+        int,
+        typer.Option(
+            "--profile-at", help="Also profile decode steps after this many generated tokens (0 = off)."
+        ),
+    ] = 0,
+    profile_steps: Annotated[
+        int, typer.Option("--profile-steps", help="Decode steps to profile (one compression interval).")
+    ] = 128,
+) -> None:
+    """Decode tokens/s, KV bytes, peak memory and scoring cost of methods × budgets, all forced
+    through the same tokens (the full cache's greedy output), each as a ratio to the full cache."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from reasonkv.cli.main import CliError, console, err_console, fail, parse_sets, positive_ints, split_list
+    from reasonkv.cli.replay import build_runs
+
+    try:
+        method_names = split_list(methods, "--methods")
+        budget_list = positive_ints(budgets, "--budgets", "tokens per KV head")
+        length_list = sorted(positive_ints(lengths, "--lengths", "generated tokens"))
+        if window <= 0:
+            raise CliError(f"--window must be positive, got {window}")
+        if sample_every <= 0:
+            raise CliError(f"--sample-every must be positive, got {sample_every}")
+        if attn not in ("sdpa", "eager"):
+            raise CliError(f"--attn must be sdpa or eager, got {attn!r}")
+        if profile_at < 0 or profile_steps <= 0:
+            raise CliError("--profile-at must be >= 0 and --profile-steps positive")
+        if profile_at and profile_at + 2 * profile_steps > length_list[-1]:
+            raise CliError(
+                f"--profile-at {profile_at} needs {profile_at + 2 * profile_steps} generated tokens "
+                f"(2 × --profile-steps after it); the longest length is {length_list[-1]}"
+            )
+        checked = build_runs(method_names, budget_list, parse_sets(sets))  # names, knobs: before loading
+        runs = list(checked)
+        if all(r.method != "full" for r in runs):
+            runs.insert(0, bench.BenchRun("full"))
+        runs.sort(key=lambda r: r.method != "full")  # full first: every ratio is to it
+        threads = set_threads()
+        with err_console.status(f"loading {model_name}…"), quiet_loading():
+            model, tokenizer = load_model(model_name, attn_implementation=attn)
+        for run in runs:  # budget errors (below the protected window) surface before any work
+            make_cache(model, run.method, run.budget, **run.knobs)
+        prompt_ids = bench.prompt_input(tokenizer, prompt)
+    except (CliError, ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+    machine = bench.machine_info()
+    n = length_list[-1]
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err_console) as progress:
+        task = progress.add_task("decoding (steps)", total=n * (len(runs) + 1))
+
+        def advance(label: str, k: int) -> None:
+            progress.update(task, advance=k, description=label)
+
+        record = bench.run_benchmark(
+            model,
+            prompt_ids,
+            runs,
+            length_list,
+            window=window,
+            interleave=interleave,
+            sample_every=sample_every,
+            progress=advance,
+        )
+        profiles = []
+        if profile_at:
+            ptask = progress.add_task("profiling", total=len(runs))
+            tokens = torch.tensor(record["reference"]["tokens"])
+            for run in runs:
+                progress.update(ptask, description=f"profiling {run.label}")
+                profiles.append(
+                    bench.profile_decode(model, run, prompt_ids, tokens, profile_at, profile_steps)
+                )
+                progress.advance(ptask)
+
+    machine["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    parts = ["--model", model_name, "--methods", methods, "--budgets", budgets, "--lengths", lengths]
+    parts += ["--window", window, "--attn", attn, "--sample-every", sample_every, "--out", out]
+    parts += ["--interleave"] if interleave else []
+    for item in sets or []:
+        parts += ["--set", item]
+    parts += ["--plot", plot] if plot is not None else []
+    parts += ["--prompt", prompt] if prompt != PROBLEM else []
+    parts += ["--profile-at", profile_at, "--profile-steps", profile_steps] if profile_at else []
+    env = f"REASONKV_THREADS={os.environ['REASONKV_THREADS']} " if os.environ.get("REASONKV_THREADS") else ""
+    record = {
+        "kind": "bench",
+        "model": model_name,
+        "attn": attn,
+        "command": env + "reasonkv bench " + " ".join(shlex.quote(str(a)) for a in parts),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "threads": threads,
+        "machine": machine,
+        "runs_planned": [{"method": r.method, "budget": r.budget, "knobs": r.knobs} for r in runs],
+        **record,
+        "profiles": profiles,
+        "process_max_rss": bench.max_rss(),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(out)  # atomic: an interrupted run never leaves half a file
+
+    console.print(bench.summary_table(record))
+    console.print(bench.windows_table(record))
+    console.print(bench.memory_table(record))
+    if profiles:
+        console.print(profile_table(profiles))
+    load = machine.get("load_average") or []
+    console.print(
+        f"[dim]{record['wall_seconds']:.0f} s wall · {threads} torch threads · load average "
+        f"{' '.join(f'{x:.2f}' for x in load)} · {escape(machine['cpu'] or '?')} · results -> "
+        f"{escape(str(out))}[/dim]",
+        soft_wrap=True,
+    )
+    if plot is not None:
+        paths = bench.plot_benchmark(record, plot)
+        console.print("plots -> " + ", ".join(escape(str(p)) for p in paths))

@@ -1,0 +1,208 @@
+"""`reasonkv replay`: trace-replay fidelity of methods × budgets on reasoning traces.
+
+Registered by the CLI module as `app.command("replay")(replay_command)`. reasonkv.cli.main is
+imported inside the functions, so cli.py may import this module at any point without a cycle.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from reasonkv.core.models import DEFAULT_MODEL, load_model
+from reasonkv.harness.replay import (
+    BIN,
+    BLOCK,
+    ReplayRun,
+    plot_fidelity,
+    replay_batch,
+    replay_methods,
+    summarize,
+)
+from reasonkv.harness.traces import load_traces, replay_input
+from reasonkv.methods.api import make_cache
+from reasonkv.methods.registry import get_method
+from reasonkv.util.runtime import quiet_loading, set_threads
+from reasonkv.util.tables import fill_table
+
+MODEL_HELP = "Bundled name (smollm2-135m), local directory or .gguf file, or Hugging Face id."
+
+
+def build_runs(methods: list[str], budgets: list[int], knobs: dict[str, object]) -> list[ReplayRun]:
+    """Every (method, budget), `full` once. A --set knob goes to every method that has it; a
+    knob that none of the methods knows is an error (a typo would otherwise be ignored)."""
+    from reasonkv.cli.main import CliError, check_knobs
+
+    specs = [get_method(m) for m in dict.fromkeys(methods)]
+    known = set().union(*(spec.knobs() for spec in specs))
+    unknown = sorted(set(knobs) - known)
+    if unknown:
+        raise CliError(
+            f"unknown parameter(s) {', '.join(unknown)} for methods {', '.join(s.name for s in specs)}; "
+            f"valid: {', '.join(sorted(known))}"
+        )
+    runs = []
+    for spec in specs:
+        own = check_knobs(spec, {k: v for k, v in knobs.items() if k in spec.knobs()})
+        if not spec.compresses:
+            runs.append(ReplayRun(spec.name, None, own))
+            continue
+        runs += [ReplayRun(spec.name, b, own) for b in budgets]
+    return runs
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def replay_command(
+    traces: Annotated[Path, typer.Option("--traces", help="jsonl with id, problem, trace.")],
+    out: Annotated[Path, typer.Option("--out", help="Where to write the results JSON.")] = Path(
+        "replay.json"
+    ),
+    model_name: Annotated[str, typer.Option("--model", help=MODEL_HELP)] = DEFAULT_MODEL,
+    methods: Annotated[
+        str, typer.Option("--methods", "-m", help="Comma-separated names from `reasonkv methods`.")
+    ] = "full,streaming,snapkv,rkv",
+    budgets: Annotated[
+        str, typer.Option("--budgets", "-b", help="Comma-separated tokens per KV head.")
+    ] = "128",
+    ids: Annotated[
+        str | None, typer.Option("--ids", help="Comma-separated trace ids (in this order).")
+    ] = None,
+    limit: Annotated[int | None, typer.Option("--limit", help="Use the first N traces.")] = None,
+    variant: Annotated[
+        str, typer.Option("--variant", help="Keep rows of this `variant` ('all' = every row).")
+    ] = "well_posed",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Truncate prompt + trace to this.")] = 2048,
+    sets: Annotated[
+        list[str] | None,
+        typer.Option("--set", "-s", help="key=value for every method that has the knob (repeatable)."),
+    ] = None,
+    bin_size: Annotated[int, typer.Option("--bin", help="Trace tokens per bin of the curves.")] = BIN,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Also draw KL / top-1 vs position here (PNG).")
+    ] = None,
+    per_position: Annotated[
+        bool, typer.Option("--per-position", help="Also store every position's numbers in the JSON.")
+    ] = False,
+    batch: Annotated[
+        bool,
+        typer.Option(
+            "--batch/--one-by-one",
+            help="Replay all traces as one left-padded batch (one forward serves every trace; "
+            "equal to one by one up to float rounding).",
+        ),
+    ] = False,
+) -> None:
+    """Teacher-force reasoning traces and measure each method's fidelity to the full cache:
+    mean KL(full‖method), top-1 agreement and perplexity ratio, overall and by position."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from reasonkv.cli.main import CliError, console, err_console, fail, parse_sets, positive_ints, split_list
+
+    try:
+        method_names = split_list(methods, "--methods")
+        budget_list = positive_ints(budgets, "--budgets", "tokens per KV head")
+        runs = build_runs(method_names, budget_list, parse_sets(sets))
+        if max_tokens <= 1:
+            raise CliError(f"--max-tokens must be at least 2, got {max_tokens}")
+        if bin_size <= 0:
+            raise CliError(f"--bin must be positive, got {bin_size}")
+        if limit is not None and limit <= 0:
+            raise CliError(f"--limit must be positive, got {limit}")
+        id_list = split_list(ids, "--ids") if ids is not None else None
+        rows = load_traces(traces, limit=limit, variant=None if variant == "all" else variant, ids=id_list)
+        if not rows:
+            raise CliError(f"{traces}: no traces of variant {variant!r}")
+        set_threads()
+        with err_console.status(f"loading {model_name}…"), quiet_loading():
+            model, tokenizer = load_model(model_name)
+        inputs = [replay_input(tokenizer, row, max_tokens) for row in rows]
+        short = [i.id for i in inputs if i.input_ids.shape[1] - i.prompt_len < 2]
+        if short:
+            raise CliError(f"traces too short to replay (under 2 trace tokens): {', '.join(short)}")
+        for run in runs:  # build each cache once: budget/profile errors surface before any work
+            make_cache(model, run.method, run.budget, **run.knobs)
+    except (CliError, ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+    lengths = [int(i.input_ids.shape[1]) - 1 - i.prompt_len for i in inputs]
+    total = max(lengths) if batch else sum(lengths)
+    results = []
+    start = time.perf_counter()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err_console) as progress:
+        what = "trace columns" if batch else "positions"
+        task = progress.add_task(f"replaying {len(inputs)} traces × {len(runs)} runs ({what})", total=total)
+        advance = lambda k: progress.advance(task, k)  # noqa: E731
+        if batch:
+            for per_trace in replay_batch(model, inputs, runs, progress=advance):
+                results += per_trace
+        for inp in inputs if not batch else []:
+            progress.update(task, description=f"replaying {inp.id}")
+            results += replay_methods(
+                model, inp.input_ids, inp.prompt_len, runs, trace_id=inp.id, progress=advance
+            )
+    wall = time.perf_counter() - start
+    summary = summarize(results, bin_size)
+
+    parts = ["--traces", traces, "--out", out, "--model", model_name, "--methods", methods]
+    parts += ["--budgets", budgets, "--variant", variant, "--max-tokens", max_tokens, "--bin", bin_size]
+    parts += ["--ids", ids] if ids is not None else []
+    parts += ["--limit", limit] if limit is not None else []
+    for item in sets or []:
+        parts += ["--set", item]
+    parts += ["--plot", plot] if plot is not None else []
+    parts += ["--per-position"] if per_position else []
+    parts += ["--batch"] if batch else []
+    record = {
+        "kind": "replay",
+        "model": model_name,
+        "traces_file": str(traces),
+        "traces": [i.id for i in inputs],
+        "tokens": [int(i.input_ids.shape[1]) for i in inputs],
+        "prompt_tokens": [i.prompt_len for i in inputs],
+        "max_tokens": max_tokens,
+        "bin_size": bin_size,
+        "block": BLOCK,
+        "runs": [{"method": r.method, "budget": r.budget, "knobs": r.knobs} for r in runs],
+        "wall_seconds": wall,
+        "command": "reasonkv replay " + " ".join(shlex.quote(str(a)) for a in parts),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "summary": summary,
+        "per_trace": [r.to_dict(bin_size, per_position) for r in results],
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(out)  # atomic: an interrupted run never leaves half a file
+
+    table = Table(title=f"replay fidelity: {model_name}, {len(inputs)} traces, ≤{max_tokens} tokens")
+    columns = ("method", "budget", "mean KL", "top-1", "ppl ratio", "tokens", "live/head", "seconds")
+    rows = [
+        [
+            row["method"],
+            "-" if row["budget"] is None else str(row["budget"]),
+            _fmt(row["mean_kl"], ".4f"),
+            _fmt(row["top1"], ".3f"),
+            _fmt(row["ppl_ratio"], ".3f"),
+            str(row["positions"]),
+            f"{row['live_tokens']:.0f}",
+            f"{row['seconds']:.1f}",
+        ]
+        for row in summary
+    ]
+    fill_table(table, columns, rows, label_style="bold cyan", width=console.width)
+    console.print(table)
+    console.print(f"[dim]{wall:.1f} s wall; results -> {escape(str(out))}[/dim]", soft_wrap=True)
+    if plot is not None:
+        console.print(f"fidelity plot -> {escape(str(plot_fidelity(summary, plot)))}")

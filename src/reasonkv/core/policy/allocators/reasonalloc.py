@@ -1,0 +1,206 @@
+"""ReasonAlloc budget arithmetic (arXiv 2606.11164; spec in shared/seeds/000): pure torch.
+
+Two levels, both with exact integer totals:
+- layers: B_l ∝ demand_l^(1/τ), clipped to [lo, hi] and water-filled so Σ_l B_l = L·B
+  (a flat demand curve, or τ → ∞, gives the uniform allocation exactly);
+- heads, at every compression: b_h = floor + (total − H·floor)·u_h/Σu with the real-time
+  utility u_h = 1 − Ĥ_h (normalised attention entropy; low entropy = focused = more),
+  smoothed by an EMA; largest-remainder rounding keeps Σ_h b_h = total.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from reasonkv.core.policy.base import Observation, candidate_mask, grouped_logits, masked_softmax
+
+
+def largest_remainder(shares: torch.Tensor, total: torch.Tensor | int) -> torch.Tensor:
+    """Round non-negative real `shares` [..., n] to integers summing exactly to `total` [...]:
+    floor everything, then give the missing units to the largest fractional parts
+    (ties to the lower index)."""
+    total = torch.as_tensor(total, device=shares.device).long()
+    base = shares.floor().long()
+    missing = total - base.sum(-1)  # [...]
+    frac = shares - base
+    order = torch.sort(frac, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(shares.shape[-1], device=shares.device).expand_as(order).contiguous()
+    )
+    return base + (rank < missing[..., None]).long()
+
+
+def water_fill(weights: torch.Tensor, total: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    """Integers proportional to `weights` [n] within [lo, hi] that sum exactly to `total`.
+
+    Clipped entries are fixed at their bound and the rest is shared again among the free
+    ones, until nothing violates a bound (at most n rounds).
+    """
+    n = weights.numel()
+    hi_v = float("inf") if hi is None else hi
+    if total < n * lo or total > n * hi_v:
+        raise ValueError(f"cannot split {total} into {n} parts within [{lo}, {hi}]")
+    w = weights.double().clamp(min=0)
+    fixed = torch.full((n,), float("nan"), dtype=torch.float64)
+    for _ in range(n + 1):
+        free = fixed.isnan()
+        left = total - fixed[~free].sum()
+        wf = w[free]
+        share = wf / wf.sum() * left if wf.sum() > 0 else torch.full_like(wf, left / free.sum())
+        values = fixed.clone()
+        values[free] = share
+        low, high = free & (values < lo), free & (values > hi_v)
+        if not (low.any() or high.any()):
+            break
+        fixed[low], fixed[high] = lo, hi_v
+    out = largest_remainder(values, total)
+    # Rounding can push a share that sat exactly on a bound by one unit; move it back.
+    return out.clamp(min=lo) if hi is None else out.clamp(lo, hi)
+
+
+def layer_budgets(
+    demand: torch.Tensor, n_kv_heads: int, budget: int, tau: float = 1.0, lo: int = 0, hi: int | None = None
+) -> torch.Tensor:
+    """[L, H] per-head budgets, the same for every head of a layer, Σ = L·H·budget exactly.
+
+    demand [L] > 0 is the profiled per-layer demand; tau = inf gives the uniform allocation.
+    """
+    n_layers = demand.numel()
+    if math.isinf(tau) or bool((demand == demand[0]).all()):
+        weights = torch.ones(n_layers, dtype=torch.float64)
+    else:
+        weights = demand.double().clamp(min=1e-12) ** (1.0 / tau)
+    per_layer = water_fill(weights, n_layers * budget, lo, hi)
+    return per_layer[:, None].expand(n_layers, n_kv_heads).clone()
+
+
+def attention_stats(obs: Observation, keys: torch.Tensor, topk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head [B, H], averaged over the group's heads and the valid observed queries:
+    the normalised entropy H(a) / log(n) of each query's attention a over the n real keys it
+    may see, and the attention mass its `topk` strongest keys capture (0 = skip)."""
+    allowed = candidate_mask(obs)  # [B, H, 1, W, T]
+    probs = masked_softmax(grouped_logits(obs.queries, keys, obs.scaling), allowed)
+    ent = -(probs * probs.clamp(min=1e-30).log()).sum(-1)  # [B, H, G, W]
+    n = allowed.sum(-1).float()  # [B, H, 1, W]
+    norm = torch.where(n > 1, ent / n.clamp(min=2).log(), torch.zeros_like(ent))
+    valid = obs.query_valid[:, None, None, :].float()
+    denom = (valid.sum((-1, -2)) * norm.shape[2]).clamp(min=1)
+    entropy = (norm * valid).sum((-1, -2)) / denom
+    if topk <= 0:
+        return entropy, torch.zeros_like(entropy)
+    mass = probs.topk(min(topk, probs.shape[-1]), dim=-1).values.sum(-1)  # [B, H, G, W]
+    return entropy, (mass * valid).sum((-1, -2)) / denom
+
+
+def normalised_entropy(obs: Observation, keys: torch.Tensor) -> torch.Tensor:
+    """[B, H] mean normalised attention entropy of the observed queries (see attention_stats)."""
+    return attention_stats(obs, keys)[0]
+
+
+def split_by_utility(
+    total: torch.Tensor, utility: torch.Tensor, floor: torch.Tensor, cap: torch.Tensor
+) -> torch.Tensor:
+    """[B, H] integers: floor + a share of the rest ∝ utility, each ≤ cap, Σ_h = total [B]."""
+    b, h = utility.shape
+    total = total.long()
+    floor = torch.minimum(floor.expand(b, h), cap)
+    u = utility.clamp(min=1e-6)
+    rest = (total - floor.sum(-1)).clamp(min=0)
+    out = floor.double() + u / u.sum(-1, keepdim=True) * rest[:, None]
+    # Heads that cannot use their share (fewer real tokens than it) give the excess back.
+    for _ in range(h):
+        over = out > cap
+        if not over.any():
+            break
+        excess = (out - cap).clamp(min=0).sum(-1)
+        out = torch.minimum(out, cap.double())
+        room = (~over) & (out < cap)
+        w = torch.where(room, u, torch.zeros_like(u))
+        w_sum = w.sum(-1, keepdim=True)
+        out = out + torch.where(w_sum > 0, w / w_sum.clamp(min=1e-12), 0) * excess[:, None]
+    target = torch.minimum(total, cap.sum(-1))
+    return torch.minimum(largest_remainder(out, target), cap)
+
+
+@dataclass
+class ReasonAllocAllocator:
+    """Layer level: per-layer budgets ∝ profiled demand^(1/τ), exact total L·H·B.
+
+    profile: path of a profile JSON (None = the packaged profile of the model). The
+    profile is resolved by the caller (api layer) through `stats["load_demand"]`, which
+    keeps this module free of model code. layer_level=False gives uniform layers (the
+    head-only ablation).
+    """
+
+    profile: str | None = None
+    tau: float = 1.0
+    layer_level: bool = True
+
+    def allocate(
+        self, n_layers: int, n_kv_heads: int, budget: int, stats: dict | None = None
+    ) -> torch.Tensor:
+        if not self.layer_level:
+            return torch.full((n_layers, n_kv_heads), budget, dtype=torch.long)
+        stats = stats or {}
+        if "load_demand" not in stats:
+            raise ValueError("ReasonAllocAllocator needs stats['load_demand'] (make_cache provides it)")
+        demand = torch.tensor(stats["load_demand"](self.profile), dtype=torch.float64)
+        if demand.numel() != n_layers:
+            raise ValueError(f"the profile has {demand.numel()} layers, the model {n_layers}")
+        return layer_budgets(demand, n_kv_heads, budget, self.tau, lo=int(stats.get("min_budget", 0)))
+
+
+@dataclass
+class EntropyHeadSplit:
+    """Head level, at every compression: move budget inside a layer towards heads with high
+    real-time utility u_h (EMA-smoothed), keeping the layer total and a per-head floor.
+
+    prefer="focused": u = 1 − Ĥ (the paper: low entropy = information-rich = more budget);
+    "diffuse": u = Ĥ (the other direction, to measure which wins).
+    floor_ratio: each head keeps at least floor_ratio × (layer total / H) tokens, and never
+    fewer than the protected window (the starvation guard).
+    """
+
+    floor_ratio: float = 0.25
+    ema: float = 0.5
+    prefer: Literal["focused", "diffuse"] = "focused"
+
+    def select_rows(self, extras: dict, rows: torch.Tensor) -> None:
+        """Follow the cache's rows (beam search): the running utility is per row."""
+        if isinstance(extras.get("reasonalloc_utility"), torch.Tensor):
+            extras["reasonalloc_utility"] = extras["reasonalloc_utility"].index_select(0, rows)
+
+    def split(
+        self,
+        layer_total: torch.Tensor,
+        obs: Observation,
+        scores: torch.Tensor,
+        n_valid: torch.Tensor,
+        keys: torch.Tensor | None = None,
+        min_tokens: int = 0,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if keys is None:
+            raise ValueError("EntropyHeadSplit needs the layer's keys to measure attention entropy")
+        if self.prefer not in ("focused", "diffuse"):
+            raise ValueError(f"prefer must be 'focused' or 'diffuse', got {self.prefer!r}")
+        ent = normalised_entropy(obs, keys)
+        utility = 1.0 - ent if self.prefer == "focused" else ent
+        previous = obs.extras.get("reasonalloc_utility")
+        if isinstance(previous, torch.Tensor) and previous.shape == utility.shape:
+            seen = previous >= 0  # -1: this row has not compressed yet
+            utility = torch.where(seen, self.ema * previous + (1.0 - self.ema) * utility, utility)
+        else:
+            previous = torch.full_like(utility, -1.0)
+        # Only rows that compress now move their average: a row's budgets must not depend on
+        # when other rows of the batch compress.
+        compressing = rows[:, None] if rows is not None else torch.ones_like(utility, dtype=torch.bool)
+        obs.extras["reasonalloc_utility"] = torch.where(compressing, utility, previous)
+        h = utility.shape[1]
+        even = layer_total.double() / h
+        floor = torch.maximum((self.floor_ratio * even).floor().long(), torch.tensor(min_tokens))
+        return split_by_utility(layer_total, utility, floor[:, None], n_valid)

@@ -1,0 +1,1 @@
+"""Scorers: which tokens to keep (higher score = keep). One paper per module."""

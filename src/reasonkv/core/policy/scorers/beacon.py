@@ -1,0 +1,317 @@
+"""BeaconKV (Kim et al., ICML 2026, arXiv 2609.04971): score keys with beacon queries.
+
+Long chains of thought revisit old context at sparse, unpredictable steps, and the queries
+that do so cluster in pre-RoPE space. So besides the `recent` newest queries, each KV head
+keeps a small buffer of diverse old queries ("beacons"), maintained by continual
+farthest-point sampling (FPS) with cosine distance: a query enters the buffer when it
+leaves the recent window; when the buffer reaches `beacon_max` it shrinks to `beacon_min`
+by greedy FPS seeded with the newest point. At scoring time beacons are rotated to the
+current position (as if issued now), recent queries keep their own positions, and
+
+    s_j = max over q in beacons ∪ recent, over the group's query heads, of softmax_j(q·k_j/√d)
+
+(softmax over the head's real keys, causal for recent queries; `aggregation="mean"`
+averages instead). Sinks and recent tokens are protected by the cache; the schedule is the
+max/min threshold (at B_max evict B_max/8).
+
+Decisions where the paper is silent (see DESIGN.md): one buffer per KV head with the
+group's G query heads pooled (each head's vector is a point); points identical in
+direction (cosine distance 0) to a held beacon are not added again; FPS ties go to the
+older point; no token pooling by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from reasonkv.core.policy.base import Observation, candidate_mask, grouped_logits, masked_softmax, pool_tokens
+from reasonkv.core.policy.rope import apply_rope, unapply_rope
+
+DUPLICATE_EPS = 1e-5
+"""Cosine distance at or below which a point counts as identical (fp32 rounding of 0)."""
+
+
+def _units(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+
+
+def farthest_point_sample(points: torch.Tensor, m: int, seed: torch.Tensor | int) -> torch.Tensor:
+    """Greedy FPS with cosine distance: points [..., N, D] -> [..., m] chosen indices, ascending.
+
+    Starts from `seed` (an index, or [...] indices), then repeatedly adds the point whose
+    distance to its nearest chosen point is largest (ties: the lowest index).
+    """
+    n = points.shape[-2]
+    u = _units(points.float())
+    dist = 1.0 - u @ u.transpose(-1, -2)  # [..., N, N]
+    # A point's distance to itself is set below any real one (cosine distances are >= 0 up to
+    # rounding), so once chosen its nearest-chosen distance is -1: argmax never picks it
+    # again and no separate "chosen" mask has to be kept in the loop.
+    dist.diagonal(dim1=-2, dim2=-1).fill_(-1.0)
+    seed = torch.as_tensor(seed, device=points.device).expand(points.shape[:-2])[..., None]  # [..., 1]
+
+    def row(i: torch.Tensor) -> torch.Tensor:  # dist[..., i, :]
+        return dist.gather(-2, i[..., None].expand(*i.shape[:-1], 1, n)).squeeze(-2)
+
+    nearest = row(seed)
+    for _ in range(min(m, n) - 1):
+        nearest = torch.minimum(nearest, row(nearest.argmax(-1, keepdim=True)))
+    chosen = nearest < -0.5
+    slots = torch.arange(n, device=points.device).expand_as(chosen)
+    return torch.where(chosen, slots, n).sort(dim=-1).values[..., : min(m, n)]
+
+
+def add_points(
+    beacons: torch.Tensor, count: torch.Tensor, points: torch.Tensor, valid: torch.Tensor, beacon_min: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Continual FPS: feed points [B, H, P, D] (oldest first; `valid` [B, H, P]) into the
+    buffers beacons [B, H, M, D] holding `count` [B, H] points in arrival order.
+
+    Equivalent to adding the points one at a time: a point identical in direction to a held
+    (or earlier, same-call) point is skipped; when a buffer reaches M it shrinks to
+    `beacon_min` by FPS seeded with its newest point. Points go in chunks small enough that
+    no buffer can fill before a chunk's last point, so the chunked result is the sequential one.
+    """
+    b, h, m_max, d = beacons.shape
+    start, total = 0, points.shape[2]
+    slots = torch.arange(m_max, device=beacons.device)
+    earlier = torch.ones(m_max, m_max, dtype=torch.bool, device=beacons.device).tril(-1)
+    # One slot past the end takes the skipped points, so the scatter needs no condition.
+    buf = torch.cat([beacons, beacons.new_zeros(b, h, 1, d)], dim=2)
+    while start < total:
+        k = min(total - start, m_max - int(count.max()))
+        chunk, ok = points[:, :, start : start + k].float(), valid[:, :, start : start + k]
+        u, held = _units(chunk), _units(buf[:, :, :m_max])
+        in_use = (slots < count[..., None])[:, :, None, :]  # [B, H, 1, M]
+        dup_held = ((u @ held.transpose(-1, -2) >= 1.0 - DUPLICATE_EPS) & in_use).any(-1)
+        same = u @ u.transpose(-1, -2) >= 1.0 - DUPLICATE_EPS
+        dup_prev = (same & earlier[:k, :k] & ok[:, :, None, :]).any(-1)
+        add = ok & ~dup_held & ~dup_prev
+        slot = torch.where(add, count[..., None] + add.cumsum(-1) - 1, m_max)
+        buf.scatter_(2, slot[..., None].expand(-1, -1, -1, d), chunk)
+        count = count + add.sum(-1)
+        full = count == m_max
+        if bool(full.any()):
+            keep = farthest_point_sample(buf[:, :, :m_max], beacon_min, m_max - 1)  # seeded with the newest
+            kept = buf.gather(2, keep[..., None].expand(-1, -1, -1, d))
+            shrunk = torch.cat([kept, buf.new_zeros(b, h, m_max + 1 - beacon_min, d)], dim=2)
+            buf = torch.where(full[..., None, None], shrunk, buf)
+            count = torch.where(full, beacon_min, count)
+        start += k
+    return buf[:, :, :m_max].contiguous(), count
+
+
+@dataclass
+class BeaconKVScorer:
+    beacon_max: int = 32
+    beacon_min: int = 16
+    recent: int = 16
+    aggregation: Literal["max", "mean"] = "max"
+    pooling: Literal["max", "avg", "none"] = "none"
+    kernel: int = 7
+    upkeep_every: int = 32
+    """Queries leaving the recent window wait in a queue and enter the buffers this many at a
+    time (all layers in one pass), or when scoring needs the buffers. Continual FPS fed in
+    chunks equals FPS fed one point at a time (`add_points`), so the beacons do not depend on
+    it. The queue is the cache's own query history (`query_backlog`), so a decode step only
+    counts: no tensor op per layer."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.beacon_min < self.beacon_max:
+            raise ValueError(
+                f"need 1 <= beacon_min < beacon_max, got {self.beacon_min} and {self.beacon_max}"
+            )
+        if self.recent < 1:
+            raise ValueError(f"recent must be at least 1, got {self.recent}")
+        if self.aggregation not in ("max", "mean"):
+            raise ValueError(f"aggregation must be 'max' or 'mean', got {self.aggregation!r}")
+        if self.upkeep_every < 1:
+            raise ValueError(f"upkeep_every must be at least 1, got {self.upkeep_every}")
+
+    @property
+    def window(self) -> int:
+        """The cache keeps the `recent` newest queries (a property, so it is not a separate knob)."""
+        return self.recent
+
+    @property
+    def query_backlog(self) -> int:
+        """...and the `upkeep_every` before them: the queue of queries not yet fed."""
+        return self.upkeep_every
+
+    # ------------------------------------------------------------- buffer upkeep
+    def on_step(self, step: Observation, keys: torch.Tensor, layer) -> None:
+        """Queue the queries that leave the recent window with this forward for the beacon buffers.
+
+        When this runs, `layer.queries` etc. hold the previous queries (the `recent` newest,
+        and before them the `pending` queued ones: the cache keeps `query_backlog` =
+        `upkeep_every` of those) and `step` holds this forward's. Of the two in order, all but
+        the newest `recent` have left; those not fed yet are the queue, and this hook only
+        counts them. When the queue would outgrow the backlog it is fed (in lock-step decoding
+        every layer's queue is full then, and all layers are fed in one pass); more leaving
+        queries than the backlog holds (a prompt) are fed at once. Fed queries are rotated back
+        to pre-RoPE; padding queries never enter. State in `layer.extras`: beacons [B, H, M, D]
+        (pre-RoPE, fp32, arrival order), beacon_count [B, H], pending (queued queries; below 0
+        when scoring fed this layer's next leaving ones ahead, see `flush`).
+        """
+        ex = layer.extras
+        b, _, q, d = step.queries.shape
+        if "beacons" not in ex:
+            h = keys.shape[1]
+            ex["beacons"] = torch.zeros(b, h, self.beacon_max, d, device=keys.device)
+            ex["beacon_count"] = torch.zeros(b, h, dtype=torch.long, device=keys.device)
+            ex["pending"] = 0
+            self._join_upkeep_group(layer)
+        elif ex["beacons"].shape[0] != b:
+            raise RuntimeError("BeaconKV: the batch changed size mid-generation; start a new cache")
+        ex["forwards"], ex["step_size"] = ex.get("forwards", 0) + 1, q
+        held = 0 if layer.queries is None else layer.queries.shape[2]
+        n_out = self._leaving(held, q)
+        if n_out == 0:
+            return
+        if step.rope_inv_freq is None:
+            raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
+        if ex["pending"] + n_out > self.upkeep_every:  # the backlog cannot hold them all
+            self.flush(ex, step.rope_inv_freq, step.rope_attention_scaling)
+        if n_out <= self.upkeep_every:
+            # They stay in the cache's backlog until fed (pending < 0: fed ahead by `flush`).
+            ex["pending"] += n_out
+            return
+        # More than the backlog keeps (a prompt): feed them now, from (previous, this step).
+        first_recent = held - min(held, self.recent)  # the previous recent queries all leave
+
+        def leaving(old: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
+            if old is not None and first_recent < held:
+                new = torch.cat([old.narrow(dim, first_recent, held - first_recent), new], dim)
+            return new.narrow(dim, 0, n_out)
+
+        queue = (
+            leaving(layer.queries, step.queries, 2),
+            leaving(layer.query_index, step.query_index, 1),
+            leaving(layer.query_positions, step.query_positions, 1),
+        )
+        self._feed([ex], [queue], step.rope_inv_freq, step.rope_attention_scaling)
+
+    @staticmethod
+    def _join_upkeep_group(layer) -> None:
+        """Register the layer in its cache's group of layers whose queues are fed together
+        (`layer.shared`, one dict per cache; a layer without one is a group of its own)."""
+        shared = getattr(layer, "shared", None)
+        group = (layer.extras if shared is None else shared).setdefault("beacon_upkeep", {})
+        group[getattr(layer, "layer_idx", 0)] = layer
+        layer.extras["upkeep_group"] = group
+
+    def _leaving(self, held: int, q: int) -> int:
+        """How many queries leave the recent window when q arrive after `held` kept ones."""
+        return max(held + q - self.recent, 0) - max(held - self.recent, 0)
+
+    def flush(
+        self, extras: dict, inv_freq: torch.Tensor | None, attention_scaling: float = 1.0, ahead: bool = False
+    ) -> None:
+        """Feed the queued queries (post-RoPE, oldest first) into the beacon buffers: rotated
+        back to pre-RoPE, each giving G points per KV head (query, then group head), padding
+        queries excluded. Scoring calls it; so may anyone who reads the buffers.
+
+        Inside a cache the queues of all layers are fed at once: their buffers are stacked
+        along the batch axis, so one FPS pass serves every layer (30 times fewer small ops on
+        the default model); a shorter queue is padded with invalid points, which FPS skips.
+        With `ahead` (scoring), a layer that has not run this forward yet is also fed the
+        queries this forward will push out of its recent window: they are already known (the
+        oldest recent ones), and its own scoring then finds nothing to feed. The order of
+        arrival is unchanged, so the buffers are too.
+        """
+        forward, q = extras.get("forwards", 0), extras.get("step_size", 0)
+        fed, queues = [], []
+        for lay in extras.get("upkeep_group", {}).values():
+            if lay.queries is None:  # its first forward: nothing kept yet
+                continue
+            ex, held = lay.extras, lay.queries.shape[2]
+            first_recent = held - min(held, self.recent)
+            n_ahead = 0
+            if ahead and ex["forwards"] < forward:
+                n_ahead = self._leaving(held, q)
+                if n_ahead > min(held - first_recent, self.upkeep_every):
+                    n_ahead = 0  # some are still to come (a long chunk): they are fed then
+            start, end = first_recent - ex["pending"], first_recent + n_ahead
+            if start >= end:  # nothing queued (or already fed ahead)
+                continue
+            ex["pending"] = -n_ahead
+            fed.append(ex)
+            queues.append(
+                (
+                    lay.queries[:, :, start:end],
+                    lay.query_index[:, start:end],
+                    lay.query_positions[:, start:end],
+                )
+            )
+        if fed:
+            self._feed(fed, queues, inv_freq, attention_scaling)
+
+    def _feed(
+        self,
+        members: list[dict],
+        queues: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        inv_freq: torch.Tensor | None,
+        attention_scaling: float,
+    ) -> None:
+        """Feed each layer's (extras dict's) queue of leaving queries [B, Hq, n, D], with their
+        indices and positions [B, n], into its buffers, all in one pass."""
+        if inv_freq is None:
+            raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
+        n = max(q[1].shape[1] for q in queues)
+        if all(q[1].shape[1] == n for q in queues):
+            leaving, index, positions = (torch.cat(parts) for parts in zip(*queues, strict=True))
+        else:  # shorter queues end in invalid (index -1) points, which add_points skips
+            leaving = torch.cat([F.pad(q[0], (0, 0, 0, n - q[0].shape[2])) for q in queues])
+            index = torch.cat([F.pad(q[1], (0, n - q[1].shape[1]), value=-1) for q in queues])
+            positions = torch.cat([F.pad(q[2], (0, n - q[2].shape[1])) for q in queues])
+        b, hq, _, d = leaving.shape
+        h = members[0]["beacons"].shape[1]
+        g = hq // h
+        pre = unapply_rope(leaving, positions[:, None], inv_freq, attention_scaling)
+        points = pre.reshape(b, h, g, n, d).transpose(2, 3).reshape(b, h, n * g, d)
+        valid = (index >= 0)[:, None, :, None].expand(b, h, n, g).reshape(b, h, -1)
+        if len(members) == 1:
+            beacons, count = members[0]["beacons"], members[0]["beacon_count"]
+        else:
+            beacons = torch.cat([m["beacons"] for m in members])
+            count = torch.cat([m["beacon_count"] for m in members])
+        beacons, count = add_points(beacons, count, points, valid, self.beacon_min)
+        rows = members[0]["beacons"].shape[0]
+        for m, buf, cnt in zip(members, beacons.split(rows), count.split(rows), strict=True):
+            m["beacons"], m["beacon_count"] = buf, cnt
+
+    def select_rows(self, extras: dict, rows: torch.Tensor) -> None:
+        """Follow the cache's rows (beam search): the buffers and their counts (the queue is
+        the cache's query backlog, which the cache reorders itself)."""
+        for key in ("beacons", "beacon_count"):
+            if key in extras:
+                extras[key] = extras[key].index_select(0, rows)
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        if obs.extras is not None:
+            self.flush(obs.extras, obs.rope_inv_freq, obs.rope_attention_scaling, ahead=True)
+        logits = grouped_logits(obs.queries, keys, obs.scaling)
+        probs = masked_softmax(logits, candidate_mask(obs))  # recent queries: [B, H, G, W, T]
+        b, h, g, w, t = probs.shape
+        parts = [probs.reshape(b, h, g * w, t)]
+        n_points = (obs.query_valid.sum(-1) * g)[:, None].expand(b, h)
+        beacons, count = obs.extras.get("beacons"), obs.extras.get("beacon_count")
+        if beacons is not None and bool(count.any()):
+            positions = obs.query_positions if obs.query_positions is not None else obs.query_index
+            now = torch.where(obs.query_valid, positions, -1).amax(-1).clamp(min=0)  # newest query's position
+            rotated = apply_rope(beacons, now[:, None, None], obs.rope_inv_freq, obs.rope_attention_scaling)
+            logits = torch.einsum("bhmd,bhtd->bhmt", rotated, keys.float()) * obs.scaling
+            held = torch.arange(beacons.shape[2], device=keys.device) < count[..., None]  # [B, H, M]
+            parts.append(masked_softmax(logits, held[..., None] & obs.key_valid[:, :, None, :]))
+            n_points = n_points + count
+        probs = torch.cat(parts, dim=2)  # every observation point: [B, H, P, T], zeros for absent ones
+        if self.aggregation == "max":
+            scores = probs.amax(dim=2) if probs.shape[2] else probs.new_zeros(b, h, t)
+        else:
+            scores = probs.sum(dim=2) / n_points.clamp(min=1)[..., None].to(probs.dtype)
+        return pool_tokens(scores, self.kernel, self.pooling)

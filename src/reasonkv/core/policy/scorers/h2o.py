@@ -1,0 +1,65 @@
+"""H2O (Zhang et al., 2023, arXiv 2306.14048): heavy hitters by cumulative attention + recent tokens.
+
+F_j = Σ_steps Σ_queries Σ_{g in group} softmax(q_g·K^T/√d)_j, accumulated at every forward
+for every stored token and carried along through evictions; keep the newest
+⌊recent_ratio·B⌋ tokens and the top of F among the rest (the paper's 50/50 split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+import torch
+
+from reasonkv.core.policy.base import Observation, window_attention
+
+QUERY_CHUNK = 256
+"""Prompt queries per block at prefill, so the fp32 probabilities stay O(chunk × cache)."""
+
+
+@dataclass
+class H2OScorer:
+    """Cumulative attention per (row, KV head, token), summed over the GQA group's query heads
+    (the group is one cache head; the original sums over every query head of the KV head).
+
+    `on_step` adds each forward's attention probabilities (prefill: every prompt query, causal;
+    padding queries and EMPTY keys excluded) to the per-token state "h2o_acc", which the cache
+    gathers with the keys at every eviction. `score` returns it, with the newest
+    ⌊recent_ratio · target⌋ real tokens of each head raised to +inf: the recent half of H2O's
+    heavy + recent budget split (target = the schedule's kept tokens for the head's budget).
+
+    `score` reads only the accumulated state, so the cache's query window is the minimum (1):
+    every query reaches `on_step` through the step observation anyway.
+    """
+
+    recent_ratio: float = 0.5
+    window: int = field(default=1, init=False, repr=False)
+    state_names: ClassVar[tuple[str, ...]] = ("h2o_acc",)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recent_ratio <= 1.0:
+            raise ValueError(f"recent_ratio must be within [0, 1], got {self.recent_ratio}")
+
+    def on_step(self, step: Observation, keys: torch.Tensor, layer) -> None:
+        """Add the attention of this forward's queries (all of `step`'s) to "h2o_acc"."""
+        q = step.queries.shape[2]
+        acc = layer.state["h2o_acc"][:, :, : layer.used]
+        for start in range(0, q, QUERY_CHUNK):
+            sl = slice(start, min(start + QUERY_CHUNK, q))
+            block = replace(step, queries=step.queries[:, :, sl], query_index=step.query_index[:, sl])
+            acc += window_attention(block, keys, gqa="sum").sum(dim=2)  # [B, H, T]
+        if "h2o_recent" not in layer.extras:
+            targets = [layer.policy.schedule.target(int(b)) for b in layer.budgets.tolist()]
+            recent = (torch.tensor(targets, dtype=torch.float64) * self.recent_ratio).floor().long()
+            layer.extras["h2o_recent"] = recent.to(acc.device)
+
+    def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        acc = obs.state["h2o_acc"].float()
+        recent = obs.extras.get("h2o_recent")
+        if recent is None:
+            return acc.clone()
+        valid = obs.key_valid
+        rank_from_end = valid.flip(-1).cumsum(-1).flip(-1)  # 1 for the newest real token
+        is_recent = valid & (rank_from_end <= recent.to(acc.device)[None, :, None])
+        return acc.masked_fill(is_recent, float("inf"))

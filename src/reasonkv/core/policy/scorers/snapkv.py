@@ -1,0 +1,26 @@
+"""SnapKV at decode time (Li et al., 2024, arXiv 2404.14469; decode variant as in R-KV).
+
+A_j = mean over the last `window` queries of softmax_{j in C}(max_g q_g . k_j / sqrt(d)),
+C = the cache minus the newest `window` tokens (kept anyway); then max-pool along tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from reasonkv.core.policy.base import GqaReduce, Observation, pool_tokens, reduce_queries, window_attention
+
+
+@dataclass
+class SnapKVScorer:
+    window: int = 8
+    kernel: int = 7
+    pooling: Literal["max", "avg", "none"] = "max"
+    gqa: GqaReduce = "max_logit"
+
+    def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        probs = window_attention(obs, keys, exclude_last=self.window, gqa=self.gqa)
+        return pool_tokens(reduce_queries(probs, obs, "mean"), self.kernel, self.pooling)

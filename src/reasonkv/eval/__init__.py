@@ -1,1 +1,0 @@
-"""Evaluation harness: datasets, trace replay, accuracy, sweeps (depends on the layers above it)."""

@@ -1,0 +1,369 @@
+"""`reasonkv report`: a sweep's JSONL as method × budget tables, plots and a Markdown page.
+
+Each unit counts once: its first "ok" line, else its last error line (shown as an error,
+never in the numbers). Rows pool every unit of a (method, budget, knobs) within one
+(kind, model, dataset) section:
+- replay: every trace position weighs the same (sums of KL, top-1 hits and NLLs over all
+  positions of all traces, as `replay.summarize` pools), so a long trace counts more;
+- eval: every sample weighs the same: pass@1 = correct / samples over problems and seeds,
+  mean length and truncation rate likewise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reasonkv.harness.sweep import read_results
+
+
+@dataclass
+class Section:
+    kind: str
+    model: str
+    dataset: str
+    rows: list[dict] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        what = "replay fidelity" if self.kind == "replay" else "accuracy"
+        return f"{what} · {self.model} · {self.dataset}"
+
+
+def load_records(paths: Iterable[str | Path]) -> tuple[list[dict], int]:
+    """The line that counts for each unit over all files, in first-seen order, and the
+    number of unreadable lines."""
+    chosen: dict[str, dict] = {}
+    unreadable = 0
+    for path in paths:
+        records, bad = read_results(path)
+        unreadable += bad
+        for r in records:
+            old = chosen.get(r["key"])
+            if old is None or old.get("status") != "ok":  # a later line replaces an error line
+                chosen[r["key"]] = r
+    return list(chosen.values()), unreadable
+
+
+def _knobs_id(knobs: dict) -> str:
+    return json.dumps(knobs, sort_keys=True)
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def _replay_row(units: list[dict]) -> dict:
+    ok = [u for u in units if u.get("status") == "ok"]
+    s = {"n": 0, "kl": 0.0, "top1": 0.0, "nll_full": 0.0, "nll": 0.0}
+    live = 0.0
+    for u in ok:
+        for k in s:
+            s[k] += u["metrics"]["sums"][k]
+        live += u["metrics"]["live_tokens"] * u["metrics"]["sums"]["n"]
+    n = s["n"]
+    return {
+        "traces": len({u["config"]["item"] for u in ok}),
+        "positions": n,
+        "mean_kl": _ratio(s["kl"], n),
+        "top1": _ratio(s["top1"], n),
+        "ppl_ratio": math.exp((s["nll"] - s["nll_full"]) / n) if n else None,
+        "live_tokens": _ratio(live, n),
+        "seconds": sum(u.get("timings", {}).get("seconds", 0.0) for u in ok),
+    }
+
+
+def _eval_row(units: list[dict]) -> dict:
+    ok = [u for u in units if u.get("status") == "ok"]
+    correct = sum(sum(u["metrics"]["correct"]) for u in ok)
+    samples = sum(len(u["metrics"]["correct"]) for u in ok)
+    length = sum(sum(u["metrics"]["lengths"]) for u in ok)
+    truncated = sum(sum(u["metrics"]["truncated"]) for u in ok)
+    gen_seconds = sum(u.get("timings", {}).get("generate_seconds", 0.0) for u in ok)
+    return {
+        "problems": len({u["config"]["item"] for u in ok}),
+        "seeds": len({u["config"]["seed"] for u in ok}),
+        "samples": samples,
+        "pass@1": _ratio(correct, samples),
+        "mean_length": _ratio(length, samples),
+        "truncation_rate": _ratio(truncated, samples),
+        "tokens_per_second": _ratio(sum(u["metrics"]["generated_tokens"] for u in ok), gen_seconds),
+    }
+
+
+def summarize_results(records: list[dict]) -> list[Section]:
+    """Sections by (kind, model, dataset) in first-seen order; rows by method (first-seen
+    order) then budget (none first, ascending)."""
+    sections: dict[tuple, dict[tuple, list[dict]]] = {}
+    for r in records:
+        c = r["config"]
+        rows = sections.setdefault((c["kind"], c["model"], c["dataset"]), {})
+        rows.setdefault((c["method"], c.get("budget"), _knobs_id(c.get("knobs", {}))), []).append(r)
+    out = []
+    for (kind, model, dataset), groups in sections.items():
+        method_order = {m: i for i, m in enumerate(dict.fromkeys(k[0] for k in groups))}
+        settings_of: dict[str, set] = {}
+        for method, _, knobs in groups:
+            settings_of.setdefault(method, set()).add(knobs)
+        section = Section(kind, model, dataset)
+        knob_order = {k: i for i, k in enumerate(dict.fromkeys(k[2] for k in groups))}
+        keys = sorted(
+            groups, key=lambda k: (method_order[k[0]], k[1] is not None, k[1] or 0, knob_order[k[2]])
+        )
+        for method, budget, knobs_id in keys:
+            units = groups[(method, budget, knobs_id)]
+            knobs = json.loads(knobs_id)
+            name = method
+            if len(settings_of[method]) > 1:  # the same method under several knob settings
+                name += "[" + ",".join(f"{k}={v}" for k, v in knobs.items()) + "]"
+            row = {
+                "method": method,
+                "name": name,
+                "budget": budget,
+                "knobs": knobs,
+                "label": name if budget is None else f"{name}@{budget}",
+                "units": len(units),
+                "errors": sum(u.get("status") != "ok" for u in units),
+            }
+            row.update(_replay_row(units) if kind == "replay" else _eval_row(units))
+            section.rows.append(row)
+        out.append(section)
+    return out
+
+
+# ---------------------------------------------------------------------- tables
+def _fmt(value, spec: str) -> str:
+    if value is None:
+        return "-"
+    return format(value, spec)
+
+
+COLUMNS = {
+    "replay": [
+        "method",
+        "budget",
+        "traces",
+        "tokens",
+        "mean KL",
+        "top-1",
+        "ppl ratio",
+        "live/head",
+        "errors",
+    ],
+    "eval": [
+        "method",
+        "budget",
+        "problems",
+        "samples",
+        "pass@1",
+        "length",
+        "truncated",
+        "tok/s",
+        "errors",
+    ],
+}
+
+
+def cells(kind: str, row: dict) -> list[str]:
+    """A row's cells as text: the same strings in the terminal and in Markdown."""
+    budget = "-" if row["budget"] is None else str(row["budget"])
+    errors = str(row["errors"]) if row["errors"] else ""
+    if kind == "replay":
+        return [
+            row["name"],
+            budget,
+            str(row["traces"]),
+            str(row["positions"]),
+            _fmt(row["mean_kl"], ".4f"),
+            _fmt(row["top1"], ".3f"),
+            _fmt(row["ppl_ratio"], ".3f"),
+            _fmt(row["live_tokens"], ".0f"),
+            errors,
+        ]
+    return [
+        row["name"],
+        budget,
+        str(row["problems"]),
+        str(row["samples"]),
+        _fmt(row["pass@1"], ".3f"),
+        _fmt(row["mean_length"], ".1f"),
+        _fmt(row["truncation_rate"], ".1%"),
+        _fmt(row["tokens_per_second"], ".1f"),
+        errors,
+    ]
+
+
+def rich_table(section: Section, width: int | None = None):
+    """The section as a rich table fitted to `width` columns (default: the terminal's)."""
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    from reasonkv.util.tables import fill_table
+
+    caption = (
+        "pooled over every scored trace position (tokens); mean KL(full ‖ method) in nats; top-1: "
+        "argmax agrees with full; ppl ratio: exp(mean NLL − mean NLL of full); live/head: KV tokens "
+        "per head attended"
+        if section.kind == "replay"
+        else "pooled over every sample; length: mean generated tokens; truncated: hit max_new_tokens"
+    )
+    table = Table(
+        title=escape(section.title),
+        caption=caption,
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+    )
+    names = list(COLUMNS[section.kind])
+    rows = [cells(section.kind, row) for row in section.rows]
+    if not any(row["errors"] for row in section.rows):  # an empty column only takes room
+        keep = [i for i, name in enumerate(names) if name != "errors"]
+        names, rows = [names[i] for i in keep], [[r[i] for i in keep] for r in rows]
+    styles = ["red" if row["errors"] else None for row in section.rows]
+    fill_table(table, names, rows, row_styles=styles, width=width)
+    return table
+
+
+def markdown_table(section: Section) -> str:
+    cols = COLUMNS[section.kind]
+    lines = [
+        "| " + " | ".join(cols) + " |",
+        "|" + "|".join("---" if c == "method" else "---:" for c in cols) + "|",
+    ]
+    for row in section.rows:
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells(section.kind, row)) + " |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------- plots
+LEGEND_COLUMNS = 7
+_LINE_STYLES = ("-", "--", "-.", ":")
+_MARKERS = ("o", "s", "D", "^")
+
+
+def method_styles(names: list[str]) -> dict[str, dict]:
+    """A line style per method, the same in every panel: matplotlib's ten colours, then the
+    same colours again with another dash pattern and marker (a sweep has more than ten)."""
+    return {
+        name: {"color": f"C{i % 10}", "ls": _LINE_STYLES[i // 10 % 4], "marker": _MARKERS[i // 10 % 4]}
+        for i, name in enumerate(names)
+    }
+
+
+def plot_section(section: Section, path: str | Path) -> Path:
+    """Metric vs budget, one line per method; a method without a budget (full) is a
+    dashed horizontal line. Replay: mean KL and top-1, and a third panel of mean KL vs the
+    live tokens per head, since methods hold different numbers of tokens at one budget
+    (equal budget is not equal memory); eval: pass@1 and mean length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if section.kind == "replay":
+        panels = [("mean_kl", "mean KL(full ‖ method) [nats]"), ("top1", "top-1 agreement with full")]
+    else:
+        panels = [("pass@1", "pass@1"), ("mean_length", "mean generated length [tokens]")]
+    n_axes = len(panels) + (section.kind == "replay")  # replay adds KL vs live tokens
+    by_method: dict[str, list[dict]] = {}
+    for row in section.rows:
+        if row["units"] > row["errors"]:
+            by_method.setdefault(row["name"], []).append(row)
+    style = method_styles(list(by_method))
+    legend_inches = 0.25 * math.ceil(len(by_method) / LEGEND_COLUMNS) + 0.15
+    height = 4 + legend_inches
+    fig, axes = plt.subplots(1, n_axes, figsize=(5.5 * n_axes, height))
+    budgets = sorted({r["budget"] for r in section.rows if r["budget"] is not None})
+    for ax, (metric, ylabel) in zip(axes, panels, strict=False):
+        for name, rows in by_method.items():
+            flat = [r for r in rows if r["budget"] is None and r[metric] is not None]
+            points = [
+                (r["budget"], r[metric]) for r in rows if r["budget"] is not None and r[metric] is not None
+            ]
+            if flat:
+                ax.axhline(flat[0][metric], ls="--", color="grey", lw=1, label=name)
+            if points:
+                ax.plot([b for b, _ in points], [v for _, v in points], ms=4, label=name, **style[name])
+        if budgets:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+            ax.minorticks_off()
+        ax.set_xlabel("budget (KV tokens per head)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    if section.kind == "replay":
+        live_ax = axes[2]
+        for name, rows in by_method.items():
+            points = sorted(
+                (r["live_tokens"], r["mean_kl"])
+                for r in rows
+                if r["live_tokens"] is not None and r["mean_kl"] is not None
+            )
+            if points:
+                flat_only = all(r["budget"] is None for r in rows)
+                live_style = {"ls": "none", "color": "grey", "marker": "o"} if flat_only else style[name]
+                live_ax.plot([x for x, _ in points], [y for _, y in points], ms=4, label=name, **live_style)
+        live_ax.set_xscale("log", base=2)
+        live_ax.set_xlabel("live KV tokens per head (mean over positions)")
+        live_ax.set_ylabel(panels[0][1])
+        live_ax.grid(alpha=0.3)
+        top = max((r["mean_kl"] for r in section.rows if r["mean_kl"] is not None), default=0.0)
+        for ax in (axes[0], live_ax):  # KL spans decades and is 0 for full: log above 1e-3, linear below
+            ax.set_yscale("symlog", linthresh=1e-3)
+            ax.set_ylim(0, max(top * 2, 1e-2))
+    # One legend for all panels, below them: it then hides no line.
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(
+        handles, labels, loc="lower center", ncol=min(LEGEND_COLUMNS, len(labels)), fontsize=8, frameon=False
+    )
+    fig.suptitle(section.title)
+    fig.tight_layout(rect=(0, legend_inches / height, 1, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
+
+
+def plot_name(section: Section, sections: list[Section]) -> str:
+    base = "fidelity" if section.kind == "replay" else "accuracy"
+    if sum(s.kind == section.kind for s in sections) == 1:
+        return f"{base}.png"
+    return f"{base}-{_slug(section.model)}-{_slug(section.dataset)}.png"
+
+
+def write_report(sections: list[Section], out_dir: str | Path, sources: list[str]) -> dict:
+    """Plots and report.md (tables + image links) into out_dir; returns the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    parts = [f"<!-- generated by `reasonkv report {' '.join(sources)}` -->"]
+    plots = []
+    for section in sections:
+        name = plot_name(section, sections)
+        plots.append(plot_section(section, out_dir / name))
+        units = sum(r["units"] for r in section.rows)
+        errors = sum(r["errors"] for r in section.rows)
+        note = f"{units} units" + (f", {errors} failed (not in the numbers)" if errors else "")
+        parts += [
+            f"## {section.title}",
+            "",
+            markdown_table(section),
+            "",
+            f"{note}.",
+            "",
+            f"![{section.title}]({name})",
+            "",
+        ]
+    md = out_dir / "report.md"
+    md.write_text("\n".join(parts))
+    return {"markdown": md, "plots": plots}

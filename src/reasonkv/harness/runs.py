@@ -1,0 +1,92 @@
+"""A run record: what a compressed generation did, saved as JSON for later plots.
+
+Holds the method, budgets, and every compression event (layer, tokens seen, live tokens
+per head after it), which is what `reasonkv plot budgets` draws.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from reasonkv.core.cache import CompressedCache
+
+
+def run_record(cache: CompressedCache, **meta) -> dict:
+    """JSON-ready summary of a cache after a run (batch row 0 for the per-head lengths)."""
+    mem = cache.memory()
+    live = mem["live_tokens"]
+    return {
+        **meta,
+        "method": cache.method,
+        "budgets": cache.budgets.tolist(),
+        "seen_tokens": mem["seen_tokens"],
+        "kv_bytes": mem["kv_bytes"],
+        "physical_bytes": mem["physical_bytes"],
+        "live_tokens": None if live is None else live.tolist(),
+        "events": [
+            {"layer": e.layer, "seen": e.seen, "lengths": e.lengths[0].tolist()} for e in cache.events
+        ],
+    }
+
+
+def save_run(record: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)
+    return path
+
+
+def load_run(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no run record at {path}")
+    record = json.loads(path.read_text())
+    if "events" not in record:
+        raise ValueError(f"{path} is not a reasonkv run record (no compression events)")
+    return record
+
+
+def plot_head_budgets(record: dict, path: str | Path, layers: list[int] | None = None) -> Path:
+    """Heatmaps of live tokens per KV head after each compression, one panel per layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    events = record["events"]
+    if not events:
+        raise ValueError("this run has no compression events (nothing was evicted)")
+    all_layers = sorted({e["layer"] for e in events})
+    layers = all_layers if layers is None else layers
+    missing = sorted(set(layers) - set(all_layers))
+    if missing:
+        raise ValueError(f"no compression events for layer(s) {missing}; layers with events: {all_layers}")
+    fig, axes = plt.subplots(len(layers), 1, figsize=(8, 1.2 + 1.1 * len(layers)), squeeze=False, sharex=True)
+    vmax = max(max(e["lengths"]) for e in events)
+    for ax, layer in zip(axes[:, 0], layers, strict=True):
+        mine = [e for e in events if e["layer"] == layer]
+        grid = np.array([e["lengths"] for e in mine]).T  # [heads, events]
+        steps = [e["seen"] for e in mine]
+        im = ax.imshow(
+            grid,
+            aspect="auto",
+            interpolation="nearest",
+            vmin=0,
+            vmax=vmax,
+            cmap="viridis",
+            extent=(steps[0], steps[-1], grid.shape[0] - 0.5, -0.5),
+        )
+        ax.set_ylabel(f"L{layer}\nhead")
+        ax.set_yticks(range(grid.shape[0]))
+    axes[-1, 0].set_xlabel("tokens seen at compression")
+    fig.colorbar(im, ax=axes[:, 0].tolist(), label="tokens kept per head")
+    fig.suptitle(f"head budgets over decoding: {record.get('method')} (budget {record.get('budget', '?')})")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -1,0 +1,1 @@
+"""The method registry: names -> (scorer, schedule, allocators, knobs) -> a ready cache."""

@@ -1,0 +1,1 @@
+"""Small helpers with no reasonkv imports: threads, quiet loading, byte formatting, tables."""
