@@ -17,6 +17,7 @@ from reasonkv.cli import main as cli
 from reasonkv.core.policy import StreamingScorer
 from reasonkv.core.policy.schedules import MaxMinThreshold
 from reasonkv.harness import demo
+from reasonkv.methods.knobs import KnobError, check_knobs
 from reasonkv.methods.registry import METHODS, MethodSpec
 from reasonkv.util import runtime
 
@@ -156,21 +157,21 @@ def test_number_lists_keep_first_occurrences_and_name_the_option():
 
 def test_knobs_are_checked_against_the_defaults_types():
     snapkv = METHODS["snapkv"]
-    assert cli.check_knobs(snapkv, {"window": 4, "pooling": "avg", "protect_prompt": True}) == {
+    assert check_knobs(snapkv, {"window": 4, "pooling": "avg", "protect_prompt": True}) == {
         "window": 4,
         "pooling": "avg",
         "protect_prompt": True,
     }
-    with pytest.raises(cli.CliError, match="'window' of 'snapkv' expects an integer"):
-        cli.check_knobs(snapkv, {"window": 2.5})
-    with pytest.raises(cli.CliError, match="expects true or false"):
-        cli.check_knobs(snapkv, {"protect_prompt": 1})
-    with pytest.raises(cli.CliError, match="expects one of max, avg, none"):
-        cli.check_knobs(snapkv, {"pooling": "median"})
-    with pytest.raises(cli.CliError, match=r"unknown parameter\(s\) nope"):
-        cli.check_knobs(snapkv, {"nope": 1})
+    with pytest.raises(KnobError, match="'window' of 'snapkv' expects an integer"):
+        check_knobs(snapkv, {"window": 2.5})
+    with pytest.raises(KnobError, match="expects true or false"):
+        check_knobs(snapkv, {"protect_prompt": 1})
+    with pytest.raises(KnobError, match="expects one of max, avg, none"):
+        check_knobs(snapkv, {"pooling": "median"})
+    with pytest.raises(KnobError, match=r"unknown parameter\(s\) nope"):
+        check_knobs(snapkv, {"nope": 1})
     threshold = MethodSpec("t", "", "", StreamingScorer, MaxMinThreshold)
-    fraction = cli.check_knobs(threshold, {"fraction": 1})["fraction"]
+    fraction = check_knobs(threshold, {"fraction": 1})["fraction"]
     assert fraction == 1.0 and isinstance(fraction, float)
 
 

@@ -161,7 +161,7 @@ def test_unit_keys_are_stable_and_track_what_changes_the_numbers(tmp_path) -> No
         ({"kind": "bench"}, "`kind` must be one of"),
         ({"budget": [1]}, "unknown grid key"),
         ({"methods": ["snapkv", "nosuch"]}, "unknown method 'nosuch'"),
-        ({"knobs": {"intervall": 8}}, "unknown knob"),
+        ({"knobs": {"intervall": 8}}, "unknown parameter(s) intervall"),
         ({"knobs": {"interval": "8"}}, "expects an integer"),
         ({"knobs": {"h2o": {"window": 2}}}, "not one of the grid's methods"),
         ({"seeds": [0, 1]}, "replay is deterministic"),

@@ -26,6 +26,7 @@ from reasonkv.harness.demo import memory_summary, run_demo
 from reasonkv.harness.runs import load_run, plot_head_budgets, run_record, save_run
 from reasonkv.methods.api import generate as generate_text
 from reasonkv.methods.api import make_cache
+from reasonkv.methods.knobs import check_knobs
 from reasonkv.methods.registry import METHODS, PROTECTION_KNOBS, MethodSpec, get_method
 from reasonkv.util.formatting import format_bytes
 from reasonkv.util.runtime import quiet_loading, set_threads
@@ -104,62 +105,6 @@ def parse_sets(items: list[str] | None) -> dict[str, object]:
         if not sep or not key:
             raise CliError(f"--set takes key=value, got {item!r}")
         out[key] = parse_value(value)
-    return out
-
-
-def _knob_classes(spec: MethodSpec) -> list[type]:
-    parts = (spec.scorer, spec.schedule, spec.allocator, getattr(spec, "head_allocator", None))
-    return [c for c in parts if isinstance(c, type)]
-
-
-def _literal_choices(spec: MethodSpec, name: str) -> tuple | None:
-    """The allowed values of a knob annotated with typing.Literal, or None."""
-    for cls in _knob_classes(spec):
-        if not dataclasses.is_dataclass(cls) or name not in {f.name for f in dataclasses.fields(cls)}:
-            continue
-        try:
-            hint = typing.get_type_hints(cls).get(name)
-        except Exception:  # an unresolvable annotation only costs us the check
-            return None
-        if typing.get_origin(hint) is typing.Literal:
-            return typing.get_args(hint)
-    return None
-
-
-def check_knobs(spec: MethodSpec, knobs: dict[str, object]) -> dict[str, object]:
-    """Validate names and types against the method's defaults before the (slow) model load.
-
-    Types follow the default: an int knob takes an int, a float knob an int or float, a bool
-    knob true/false; Literal-annotated knobs take one of their choices.
-    """
-    defaults = spec.knobs()
-    unknown = sorted(set(knobs) - set(defaults))
-    if unknown:
-        raise CliError(
-            f"unknown parameter(s) {', '.join(unknown)} for method {spec.name!r}; "
-            f"valid: {', '.join(sorted(defaults))}"
-        )
-    out: dict[str, object] = {}
-    for name, value in knobs.items():
-        default = defaults[name]
-        if isinstance(default, bool):
-            ok, expected = isinstance(value, bool), "true or false"
-        elif isinstance(default, int):
-            ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
-        elif isinstance(default, float):
-            ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-            value = float(value) if ok else value
-        elif isinstance(default, str):
-            ok, expected = isinstance(value, str), "a string"
-        else:  # None or an object default: nothing to compare against
-            ok, expected = True, ""
-        if not ok:
-            raise CliError(f"parameter {name!r} of {spec.name!r} expects {expected}, got {value!r}")
-        choices = _literal_choices(spec, name)
-        if choices is not None and value not in choices:
-            allowed = ", ".join(map(str, choices))
-            raise CliError(f"parameter {name!r} of {spec.name!r} expects one of {allowed}, got {value!r}")
-        out[name] = value
     return out
 
 

@@ -29,6 +29,7 @@ from reasonkv.harness.replay import (
 )
 from reasonkv.harness.traces import load_traces, replay_input
 from reasonkv.methods.api import make_cache
+from reasonkv.methods.knobs import knobs_for_methods
 from reasonkv.methods.registry import get_method
 from reasonkv.util.runtime import quiet_loading, set_threads
 from reasonkv.util.tables import fill_table
@@ -39,23 +40,13 @@ MODEL_HELP = "Bundled name (smollm2-135m), local directory or .gguf file, or Hug
 def build_runs(methods: list[str], budgets: list[int], knobs: dict[str, object]) -> list[ReplayRun]:
     """Every (method, budget), `full` once. A --set knob goes to every method that has it; a
     knob that none of the methods knows is an error (a typo would otherwise be ignored)."""
-    from reasonkv.cli.main import CliError, check_knobs
-
-    specs = [get_method(m) for m in dict.fromkeys(methods)]
-    known = set().union(*(spec.knobs() for spec in specs))
-    unknown = sorted(set(knobs) - known)
-    if unknown:
-        raise CliError(
-            f"unknown parameter(s) {', '.join(unknown)} for methods {', '.join(s.name for s in specs)}; "
-            f"valid: {', '.join(sorted(known))}"
-        )
+    own_knobs = knobs_for_methods(methods, knobs)
     runs = []
-    for spec in specs:
-        own = check_knobs(spec, {k: v for k, v in knobs.items() if k in spec.knobs()})
-        if not spec.compresses:
-            runs.append(ReplayRun(spec.name, None, own))
+    for name, own in own_knobs.items():
+        if not get_method(name).compresses:
+            runs.append(ReplayRun(name, None, own))
             continue
-        runs += [ReplayRun(spec.name, b, own) for b in budgets]
+        runs += [ReplayRun(name, b, own) for b in budgets]
     return runs
 
 

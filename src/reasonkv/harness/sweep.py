@@ -78,6 +78,7 @@ import torch
 from reasonkv.core.models import load_model
 from reasonkv.core.policy.schedules import EveryStep
 from reasonkv.methods.api import make_cache
+from reasonkv.methods.knobs import knobs_for_methods
 from reasonkv.methods.registry import get_method
 
 KINDS = ("replay", "eval")
@@ -181,38 +182,15 @@ def _check_settings(where: str, values: dict, kind: str) -> None:
 def _resolve_knobs(methods: list[str], raw: dict) -> dict[str, dict[str, Any]]:
     """Shared knobs go to every method that has them (one that no method has is a typo);
     a [knobs.METHOD] table goes to that method only, over the shared ones."""
-    from reasonkv.cli.main import CliError, check_knobs
-
-    specs = {}
-    for name in methods:
-        try:
-            specs[name] = get_method(name)
-        except ValueError as err:
-            raise GridError(str(err)) from None
     per_method = {k: v for k, v in raw.items() if isinstance(v, dict)}
     shared = {k: v for k, v in raw.items() if not isinstance(v, dict)}
     stray = sorted(set(per_method) - set(methods))
     if stray:
         raise GridError(f"[knobs.{stray[0]}]: {stray[0]!r} is not one of the grid's methods")
-    known = set().union(*(spec.knobs() for spec in specs.values()))
-    unknown = sorted(set(shared) - known)
-    if unknown:
-        raise GridError(
-            f"unknown knob(s) {', '.join(unknown)} for methods {', '.join(methods)}; "
-            f"valid: {', '.join(sorted(known))}"
-        )
-    out = {}
-    for name, spec in specs.items():
-        if not spec.compresses:  # knobs change nothing without compression: keep `full` one unit
-            out[name] = {}
-            continue
-        mine = {k: v for k, v in shared.items() if k in spec.knobs()}
-        mine.update(per_method.get(name, {}))
-        try:
-            out[name] = check_knobs(spec, mine)
-        except CliError as err:
-            raise GridError(str(err)) from None
-    return out
+    try:
+        return knobs_for_methods(methods, shared, per_method)
+    except ValueError as err:  # an unknown method or knob, a bad value
+        raise GridError(str(err)) from None
 
 
 def parse_grid(data: dict, base_dir: str | Path = ".", path: Path | None = None) -> Grid:

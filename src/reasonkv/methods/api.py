@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from reasonkv.core import attention
 from reasonkv.core.cache import CompressedCache, LayerPolicy
 from reasonkv.core.models import attention_modules, model_shape
+from reasonkv.methods.knobs import route_knobs
 from reasonkv.methods.profiles import find_profile, load_profile
-from reasonkv.methods.registry import PROTECTION_KNOBS, get_method
+from reasonkv.methods.registry import get_method
 
 
 def install_attention(model) -> str:
@@ -26,32 +25,6 @@ def install_attention(model) -> str:
     name = attention.BACKENDS[current]
     model.set_attn_implementation(name)
     return name
-
-
-def _split_knobs(spec, overrides: dict) -> dict[str, dict]:
-    """Route every knob (defaults, then overrides) to the part that owns it."""
-    knobs = spec.knobs()
-    unknown = sorted(set(overrides) - set(knobs))
-    if unknown:
-        raise ValueError(
-            f"unknown parameter(s) {', '.join(unknown)} for method {spec.name!r}; "
-            f"valid: {', '.join(sorted(knobs))}"
-        )
-    knobs.update(overrides)
-
-    def fields_of(cls) -> dict:
-        if not isinstance(cls, type):
-            return {}
-        names = {f.name for f in dataclasses.fields(cls) if f.init and f.name != "name"}
-        return {k: v for k, v in knobs.items() if k in names}
-
-    return {
-        "scorer": fields_of(spec.scorer),
-        "schedule": fields_of(spec.schedule),
-        "allocator": fields_of(spec.allocator),
-        "head_allocator": fields_of(spec.head_allocator),
-        "protection": {k: knobs[k] for k in PROTECTION_KNOBS},
-    }
 
 
 def _demand_loader(model):
@@ -90,7 +63,7 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
     """
     spec = get_method(method)
     shape = model_shape(model)
-    parts = _split_knobs(spec, overrides)
+    parts = route_knobs(spec, overrides)
     protection = parts["protection"]
     scorer = spec.scorer(**parts["scorer"])
     schedule = spec.schedule(**parts["schedule"]) if isinstance(spec.schedule, type) else spec.schedule
