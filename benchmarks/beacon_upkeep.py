@@ -31,9 +31,8 @@ def decode_profile(model_name: str, budget: int, prompt: int, steps: int, seed: 
         model, _ = load_model(model_name)
     timer = SectionTimer()
     cache = reasonkv.make_cache(model, "beaconkv", budget)
+    cache.timer = timer  # on_step, score and the rest of the step
     scorer = cache.policy.scorer
-    scorer.on_step = timer.wrap("on_step", scorer.on_step)
-    scorer.score = timer.wrap("score", scorer.score)
     feed = scorer._feed
 
     def counted_feed(members, *args):
@@ -45,8 +44,7 @@ def decode_profile(model_name: str, budget: int, prompt: int, steps: int, seed: 
     ids = torch.randint(0, vocab, (1, prompt + steps), generator=gen)
     with torch.no_grad():
         model(input_ids=ids[:, :prompt], cache=cache)
-        timer.seconds.clear()  # the prefill's feeds are not decode steps
-        timer.calls.clear()
+        timer.reset()  # the prefill's feeds are not decode steps
         t0 = time.perf_counter()
         for i in range(prompt, prompt + steps):
             model(input_ids=ids[:, i : i + 1], cache=cache)

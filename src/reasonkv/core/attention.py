@@ -106,7 +106,8 @@ def _make_attention(kernel):
         query_index = torch.arange(layer.new_start, layer.seen, device=query.device).expand(
             query.shape[0], -1
         )
-        mask = layer.attention_mask(query_index)
+        with cache.timer.section("mask"):
+            mask = layer.attention_mask(query_index)
         fresh_prefill = mask is None and q_len == layer.used
         out, weights = kernel(query, key, value, mask, scaling, is_causal=fresh_prefill and q_len > 1)
         del key, value  # the step's view of the storage; compression may replace it

@@ -23,6 +23,7 @@ pre-eviction cache.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -35,6 +36,21 @@ from reasonkv.core.policy.selection import evict_one, protected_mask, select_tok
 
 GROWTH_CHUNK = 256
 """Slack added when storage must grow outside the schedule (prefill, the full cache)."""
+
+_NULL = contextlib.nullcontext()
+
+
+class StepTimer:
+    """Where a benchmark hooks in to time the cache's own work. The cache opens
+    `section(name)` around each part of a step: update, mask, after_attention, on_step, score,
+    split, compress, compact, holes (sections nest: compress contains compact). This default
+    times nothing."""
+
+    def section(self, name: str) -> contextlib.AbstractContextManager:
+        return _NULL
+
+
+NO_TIMER = StepTimer()
 
 
 @dataclass
@@ -105,6 +121,7 @@ class CompressedLayer(CacheLayerMixin):
         # One dict for all layers of a cache: scorers batch work across layers through it
         # (BeaconKV feeds every layer's beacon buffers in one pass).
         self.shared = {} if shared is None else shared
+        self.timer: StepTimer = NO_TIMER
         self._reset_state()
 
     # ------------------------------------------------------------------ state
@@ -354,14 +371,18 @@ class CompressedLayer(CacheLayerMixin):
             drop = (self.n_valid - keep).clamp(min=0)
             most_dropped, longest = torch.stack([drop.max(), (self.n_valid - drop).max()]).tolist()
             if most_dropped <= 1 and self.used - longest <= self._hole_slots:
-                self._evict_slot(evict_one(scores, index, protected, drop > 0))
+                victim = evict_one(scores, index, protected, drop > 0)
+                with self.timer.section("holes"):
+                    self._evict_slot(victim)
                 return
         slots, new_len = select_tokens(scores, index, keep, protected)
         holes = self.used - slots.shape[-1]  # slots not kept by the longest head
         if holes <= self._hole_slots and room:
-            self._evict_in_place(slots, new_len)
+            with self.timer.section("holes"):
+                self._evict_in_place(slots, new_len)
         else:
-            self._compact(slots, new_len)
+            with self.timer.section("compact"):
+                self._compact(slots, new_len)
 
     def _evict_slot(self, victim: torch.Tensor) -> None:
         """Make slot victim[b, h, 0] of each head a hole (victim = used: none)."""
@@ -505,6 +526,31 @@ class CompressedCache(Cache):
         self._module_ids = [id(m) for m in attention_modules] if attention_modules else None
         self.events: list[CompressionEvent] = []
         self.record_events = True
+        self.timer = NO_TIMER
+
+    @property
+    def timer(self) -> StepTimer:
+        """Times the cache's own work (see StepTimer); set it to measure, e.g. in a benchmark."""
+        return self._timer
+
+    @timer.setter
+    def timer(self, timer: StepTimer) -> None:
+        self._timer = timer
+        for layer in self.layers:
+            layer.timer = timer
+
+    def steps_until_compress(self) -> int | None:
+        """The most tokens one forward can take without passing a compression point of any
+        layer or row (None = the cache never compresses). Feeding exactly this many ends the
+        chunk where token-by-token decoding would compress, and the cache compresses after the
+        chunk's attention, as it would then; a chunked replay is therefore exact."""
+        steps = None
+        for layer in self.layers:
+            layer_steps = self.policy.schedule.steps_until_compress(layer)
+            if layer_steps is None:
+                return None
+            steps = layer_steps if steps is None else min(steps, layer_steps)
+        return steps
 
     # transformers calls this from every attention module, passing its forward kwargs
     # (the very dict that then goes to the attention function).
@@ -516,7 +562,8 @@ class CompressedCache(Cache):
                 "to hand the cache to its attention function (supported: Llama, Qwen2, Qwen3, Mistral)"
             )
         forward_kwargs["reasonkv_cache"] = self
-        return self.layers[layer_idx].update(key_states, value_states)
+        with self._timer.section("update"):
+            return self.layers[layer_idx].update(key_states, value_states)
 
     def check_module(self, module: torch.nn.Module) -> None:
         idx = module.layer_idx
@@ -550,6 +597,10 @@ class CompressedCache(Cache):
         3. If rows reach the schedule's trigger: `scorer.score(obs, ...)` with the last
            `max(scorer.window, 1)` queries as `obs.queries`, and compaction.
         """
+        with self._timer.section("after_attention"):
+            self._after_attention(layer_idx, query, new_valid, positions, scaling)
+
+    def _after_attention(self, layer_idx, query, new_valid, positions, scaling) -> None:
         layer: CompressedLayer = self.layers[layer_idx]
         layer.pending = False
         scorer = self.policy.scorer
@@ -557,7 +608,8 @@ class CompressedCache(Cache):
         on_step = getattr(scorer, "on_step", None)
         if on_step is not None:
             step = layer.step_observation(query, index, positions, scaling)
-            on_step(step, layer.keys[:, :, : layer.used], layer)
+            with self._timer.section("on_step"):
+                on_step(step, layer.keys[:, :, : layer.used], layer)
         window = max(getattr(scorer, "window", 0), 1)
         layer.observe(query, index, positions, window + getattr(scorer, "query_backlog", 0))
         rows = layer.rows_to_compress()
@@ -565,24 +617,27 @@ class CompressedCache(Cache):
             return
         obs = layer.observation(scaling, window)
         keys, values = layer.keys[:, :, : layer.used], layer.values[:, :, : layer.used]
-        scores = scorer.score(obs, keys, values)
+        with self._timer.section("score"):
+            scores = scorer.score(obs, keys, values)
         custom_keep = getattr(self.policy.schedule, "keep", None)
         if custom_keep is not None:  # stateful schedules (RPC) size the cache themselves
             keep = custom_keep(layer)
         else:
             keep = layer._targets.expand_as(layer.n_valid)
         if self.policy.head_allocator is not None:
-            keep = self.policy.head_allocator.split(
-                keep.sum(-1),
-                obs,
-                scores,
-                layer.n_valid,
-                keys=keys,
-                min_tokens=self.policy.n_sink + self.policy.n_recent,
-                rows=rows,
-            )
+            with self._timer.section("split"):
+                keep = self.policy.head_allocator.split(
+                    keep.sum(-1),
+                    obs,
+                    scores,
+                    layer.n_valid,
+                    keys=keys,
+                    min_tokens=self.policy.n_sink + self.policy.n_recent,
+                    rows=rows,
+                )
         keep = torch.where(rows[:, None], keep, layer.n_valid)
-        layer.compress(keep, scores)
+        with self._timer.section("compress"):
+            layer.compress(keep, scores)
         if self.record_events:
             # A copy: on CPU .cpu() is the live tensor, which later steps change in place.
             self.events.append(

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from reasonkv.core.cache import CompressedCache
+from reasonkv.core.cache import CompressedCache, StepTimer
 from reasonkv.harness.replay import ReplayRun
 from reasonkv.methods.api import make_cache
 from reasonkv.methods.registry import get_method
@@ -90,8 +90,9 @@ def windows_of(n: int, window: int) -> list[tuple[int, int]]:
 
 
 # --------------------------------------------------------------------- timing
-class SectionTimer:
-    """Wall time and call counts of named sections, collected by wrapping callables.
+class SectionTimer(StepTimer):
+    """Wall time and call counts of named sections: the cache's own (it opens `section(name)`
+    around each part of a step) and any callable wrapped with `wrap`.
 
     Nested sections each count their own inclusive time (`compress` contains `compact`,
     `after_attention` contains score/on_step/split/compress). With `label=True` each call
@@ -104,23 +105,30 @@ class SectionTimer:
         self.sync = sync
         self.label = label
 
-    def wrap(self, name: str, fn: Callable) -> Callable:
-        clock, seconds, calls = time.perf_counter, self.seconds, self.calls
+    @contextlib.contextmanager
+    def section(self, name: str):
+        ctx = torch.profiler.record_function(f"reasonkv::{name}") if self.label else _NULL
+        with ctx:
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                if self.sync is not None:
+                    self.sync()
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
 
+    def wrap(self, name: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            ctx = torch.profiler.record_function(f"reasonkv::{name}") if self.label else _NULL
-            with ctx:
-                start = clock()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    if self.sync is not None:
-                        self.sync()
-                    seconds[name] += clock() - start
-                    calls[name] += 1
+            with self.section(name):
+                return fn(*args, **kwargs)
 
         return timed
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
 
     def as_dict(self) -> dict[str, dict]:
         return {k: {"seconds": self.seconds[k], "calls": self.calls[k]} for k in sorted(self.seconds)}
@@ -133,23 +141,8 @@ _NULL = contextlib.nullcontext()
 
 
 def instrument(cache: CompressedCache, timer: SectionTimer) -> None:
-    """Time the cache's own work from outside: instance attributes shadow the methods that the
-    cache and reasonkv's attention call (scorer, head allocator, each layer, the cache)."""
-    scorer = cache.policy.scorer
-    scorer.score = timer.wrap("score", scorer.score)
-    if getattr(scorer, "on_step", None) is not None:
-        scorer.on_step = timer.wrap("on_step", scorer.on_step)
-    allocator = cache.policy.head_allocator
-    if allocator is not None:
-        allocator.split = timer.wrap("split", allocator.split)
-    for layer in cache.layers:
-        layer.update = timer.wrap("update", layer.update)
-        layer.attention_mask = timer.wrap("mask", layer.attention_mask)
-        layer.compress = timer.wrap("compress", layer.compress)
-        layer._compact = timer.wrap("compact", layer._compact)
-        layer._evict_in_place = timer.wrap("holes", layer._evict_in_place)
-        layer._evict_slot = timer.wrap("holes", layer._evict_slot)  # one token a head: the fast path
-    cache.after_attention = timer.wrap("after_attention", cache.after_attention)
+    """Time the cache's own work through its timer hook."""
+    cache.timer = timer
 
 
 # --------------------------------------------------------------------- memory
@@ -666,9 +659,7 @@ def profile_decode(
         model(input_ids=ids[:, pos : pos + 1], cache=cache)
         pos += 1
     plain = (clock() - start) / steps
-    for name in list(timer.seconds):
-        timer.seconds[name] = 0.0
-        timer.calls[name] = 0
+    timer.reset()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = clock()
         for _ in range(steps):

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import torch
 
 from reasonkv.core.cache import CompressedCache
-from reasonkv.core.policy.schedules import PeriodicRatio
 from reasonkv.harness.traces import ReplayInput
 from reasonkv.methods.api import make_cache
 from reasonkv.methods.registry import get_method
@@ -44,49 +43,8 @@ COMPARE_ROWS = 64
 # ------------------------------------------------------------------ chunk plan
 def chunk_plan(cache: CompressedCache) -> int | None:
     """The most tokens `cache` can take in one forward without crossing a compression point
-    (None = unbounded: it never compresses). Call it after the prompt's forward.
-
-    Feeding exactly this many tokens ends the chunk where single-token decoding would
-    compress, and the cache compresses after the chunk's attention, as it would then.
-    - budget schedules (FixedBuffer, MaxMinThreshold, EveryStep): a layer compresses when its
-      real tokens summed over heads reach sum_h trigger(b_h); each token adds one per head, so
-      the layer has ceil((trigger_total − live) / H) tokens to go. Per-layer budgets (PyramidKV,
-      ReasonAlloc) trigger at different points: the minimum over layers (and batch rows).
-      EveryStep is therefore 1 once the cache is full, larger only before its first compression.
-    - PeriodicRatio (RPC): from its per-layer state, the generated tokens until
-      `done·P/c + R + P`; 1 while the state does not exist yet.
-    - any other stateful schedule: 1 (step by step, always correct).
-    """
-    schedule = cache.policy.schedule
-    if isinstance(schedule, PeriodicRatio):
-        return _periodic_plan(cache, schedule)
-    if getattr(schedule, "rows_to_compress", None) is not None:
-        return 1
-    steps = None
-    for layer, budgets in zip(cache.layers, cache.budgets.tolist(), strict=True):
-        triggers = [schedule.trigger(int(b)) for b in budgets]
-        if triggers[0] is None:
-            return None  # the schedule never fires (the full cache)
-        if not layer.is_initialized:
-            return 1
-        to_go = sum(triggers) - layer.n_valid.sum(-1)  # [B]
-        heads = layer.n_valid.shape[1]
-        layer_steps = int(((to_go + heads - 1) // heads).min())  # ceil
-        steps = layer_steps if steps is None else min(steps, layer_steps)
-    return max(1, steps) if steps is not None else None
-
-
-def _periodic_plan(cache: CompressedCache, schedule: PeriodicRatio) -> int:
-    steps = None
-    for layer in cache.layers:
-        st = layer.extras.get(schedule._KEY) if layer.is_initialized else None
-        if st is None:
-            return 1
-        gen = layer.n_valid.amax(-1) - st.prompt  # [B] generated tokens held (the largest head)
-        threshold = st.done * st.per_period + layer.policy.n_recent + st.period
-        layer_steps = int((threshold - gen).min())
-        steps = layer_steps if steps is None else min(steps, layer_steps)
-    return max(1, steps)
+    (None = unbounded: it never compresses). Call it after the prompt's forward."""
+    return cache.steps_until_compress()
 
 
 # ------------------------------------------------------------------ comparison

@@ -76,7 +76,6 @@ from typing import Any, Protocol
 import torch
 
 from reasonkv.core.models import load_model
-from reasonkv.core.policy.schedules import EveryStep
 from reasonkv.methods.api import make_cache
 from reasonkv.methods.knobs import knobs_for_methods
 from reasonkv.methods.registry import get_method
@@ -360,9 +359,7 @@ def _batches(setting: bool | str, method: str) -> bool:
     of traces costs about one trace; a chunked method's chunks would shrink to the rows'
     common compression points instead)."""
     if setting == "every-step":
-        spec = get_method(method)
-        schedule = spec.schedule if isinstance(spec.schedule, type) else type(spec.schedule)
-        return issubclass(schedule, EveryStep)
+        return get_method(method).schedule.evicts_every_step
     return bool(setting)
 
 

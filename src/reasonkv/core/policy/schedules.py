@@ -10,6 +10,7 @@ enough until the next compression (the cache preallocates exactly that).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -19,6 +20,8 @@ from reasonkv.core.policy.base import EMPTY
 @dataclass(frozen=True)
 class Schedule:
     name: str = "never"
+    evicts_every_step: ClassVar[bool] = False
+    """True when the cache is full after every step (so a chunked replay goes token by token)."""
 
     def trigger(self, budget: int) -> int | None:
         """Real tokens per head at which to compress; None = never compress."""
@@ -36,6 +39,20 @@ class Schedule:
     def describe(self) -> str:
         return self.name
 
+    def steps_until_compress(self, layer) -> int | None:
+        """The most tokens the layer can take in one forward without passing a compression
+        point (None = never compresses): a layer compresses when its real tokens summed over
+        heads reach sum_h trigger(b_h), and each token adds one per head, so it has
+        ceil((trigger_total - live) / H) tokens to go (the fewest over batch rows)."""
+        triggers = [self.trigger(int(b)) for b in layer.budgets.tolist()]
+        if triggers[0] is None:
+            return None
+        if not layer.is_initialized:
+            return 1
+        to_go = sum(triggers) - layer.n_valid.sum(-1)  # [B]
+        heads = layer.n_valid.shape[1]
+        return max(1, int(((to_go + heads - 1) // heads).min()))
+
 
 @dataclass(frozen=True)
 class EveryStep(Schedule):
@@ -49,6 +66,7 @@ class EveryStep(Schedule):
 
     name: str = "every-step"
     compact_every: int = 16
+    evicts_every_step: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.compact_every < 1:
@@ -203,6 +221,16 @@ class PeriodicRatio(Schedule):
         st.gen_upper = int(gen.where(~st.rows, kept_gen).max())
         st.min_done = int(st.done.min())
         return (st.prompt + kept_gen)[:, None].expand_as(layer.n_valid)
+
+    def steps_until_compress(self, layer) -> int:
+        """Generated tokens until `done·P/c + R + P` (the fewest over rows); 1 before the
+        layer's state exists."""
+        st = layer.extras.get(self._KEY) if layer.is_initialized else None
+        if st is None:
+            return 1
+        gen = layer.n_valid.amax(-1) - st.prompt  # [B] generated tokens held (the largest head)
+        threshold = st.done * st.per_period + layer.policy.n_recent + st.period
+        return max(1, int((threshold - gen).min()))
 
     def slack(self, layer) -> int:
         """Tokens a head gains before the next compression: P + R before the first one, then P."""
