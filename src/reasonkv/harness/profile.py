@@ -151,11 +151,9 @@ def curve_agreement(a: list[float], b: list[float]) -> dict[str, float]:
 
 def plot_wave(profile: dict, path: str | Path, title: str | None = None) -> Path:
     """The Reasoning Wave: per-layer demand with its spread across traces."""
-    import matplotlib
+    from reasonkv.util.plotting import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     curves = torch.tensor(profile["per_trace_demand"])
     mean = curves.mean(0)
     layers = list(range(curves.shape[1]))
@@ -175,8 +173,4 @@ def plot_wave(profile: dict, path: str | Path, title: str | None = None) -> Path
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=130)

@@ -261,11 +261,9 @@ def plot_section(section: Section, path: str | Path) -> Path:
     dashed horizontal line. Replay: mean KL and top-1, and a third panel of mean KL vs the
     live tokens per head, since methods hold different numbers of tokens at one budget
     (equal budget is not equal memory); eval: pass@1 and mean length."""
-    import matplotlib
+    from reasonkv.util.plotting import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     if section.kind == "replay":
         panels = [("mean_kl", "mean KL(full ‖ method) [nats]"), ("top1", "top-1 agreement with full")]
     else:
@@ -324,11 +322,7 @@ def plot_section(section: Section, path: str | Path) -> Path:
     )
     fig.suptitle(section.title)
     fig.tight_layout(rect=(0, legend_inches / height, 1, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=130)
 
 
 def _slug(text: str) -> str:

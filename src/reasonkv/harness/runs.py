@@ -51,11 +51,11 @@ def load_run(path: str | Path) -> dict:
 
 def plot_head_budgets(record: dict, path: str | Path, layers: list[int] | None = None) -> Path:
     """Heatmaps of live tokens per KV head after each compression, one panel per layer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    from reasonkv.util.plotting import pyplot, save_figure
+
+    plt = pyplot()
 
     events = record["events"]
     if not events:
@@ -85,8 +85,4 @@ def plot_head_budgets(record: dict, path: str | Path, layers: list[int] | None =
     axes[-1, 0].set_xlabel("tokens seen at compression")
     fig.colorbar(im, ax=axes[:, 0].tolist(), label="tokens kept per head")
     fig.suptitle(f"head budgets over decoding: {record.get('method')} (budget {record.get('budget', '?')})")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120, bbox_inches="tight")
