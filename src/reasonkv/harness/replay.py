@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from reasonkv.core.cache import CompressedCache
+from reasonkv.harness.replay_plot import plot_fidelity  # noqa: F401 (its old home: callers import it here)
 from reasonkv.harness.traces import ReplayInput
 from reasonkv.methods.api import make_cache
 from reasonkv.methods.registry import get_method
@@ -470,35 +471,3 @@ def reference_logits(model, input_ids: torch.Tensor, prompt_len: int, block: int
         for a in range(prompt_len, n - 1, block):
             out.append(model(input_ids=ids[:, a : min(a + block, n - 1)], cache=cache).logits[0])
     return torch.cat(out)
-
-
-# ------------------------------------------------------------------------ plot
-def plot_fidelity(summary: list[dict], path, title: str | None = None):
-    """KL and top-1 agreement vs trace position, one line per (method, budget)."""
-    from pathlib import Path
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_kl, ax_top) = plt.subplots(1, 2, figsize=(11, 4))
-    for row in summary:
-        curve = [c for c in row["curve"] if c["positions"]]
-        mid = [(c["start"] + c["end"]) / 2 for c in curve]
-        ax_kl.plot(mid, [c["mean_kl"] for c in curve], marker="o", ms=3, label=row["label"])
-        ax_top.plot(mid, [c["top1"] for c in curve], marker="o", ms=3, label=row["label"])
-    ax_kl.set_ylabel("mean KL(full ‖ method) [nats]")
-    ax_top.set_ylabel("top-1 agreement with full")
-    for ax in (ax_kl, ax_top):
-        ax.set_xlabel("position in the trace (tokens)")
-        ax.grid(alpha=0.3)
-    ax_kl.set_yscale("symlog", linthresh=1e-3)
-    ax_top.legend(fontsize=7, ncol=2)
-    fig.suptitle(title or "trace-replay fidelity")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
