@@ -1,0 +1,96 @@
+"""The benchmark's terminal tables (rich)."""
+
+from __future__ import annotations
+
+from reasonkv.harness.bench.runs import BASELINE
+from reasonkv.util.formatting import format_bytes
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def summary_table(record: dict, baseline: str = BASELINE):
+    """One row per run: speed (first/last window), K/V at the longest length, RSS, scoring cost,
+    and the overhead over `baseline` (as `add_ratios` was given it)."""
+    from rich import box
+    from rich.table import Table
+
+    from reasonkv.util.tables import fill_table
+
+    runs = record["runs"]
+    lengths = record["lengths"]
+    table = Table(
+        title=f"decode speed and memory · prompt {record['prompt_tokens']} + {lengths[-1]} forced tokens",
+        caption="tok/s over the first and last windows of decoding; × full: ratio to the full cache in the "
+        "same run. KV: K/V storage at the longest length; peak KV: largest seen (sampled). RSS Δ: peak RSS "
+        "above the run's start. score+select: share of decode time in scoring, selection and compaction; "
+        f"vs {baseline}: extra time over {baseline} at the same budget. "
+        "top-1: argmax = reference's next token.",
+        box=box.SIMPLE_HEAD,
+        caption_justify="left",
+    )
+    cols = ("method", "budget", "tok/s first", "tok/s last", "× full", "KV", "× full ", "peak KV", "RSS Δ")
+    cols += ("score+select", f"vs {baseline}", "top-1")
+    rows = []
+    for r in runs:
+        ratios = r.get("ratios", {})
+        last_mark = r["marks"][-1] if r["marks"] else {}
+        kv_ratio = (ratios.get("kv_bytes") or [None])[-1]
+        win_ratio = (ratios.get("windows") or [None])[-1]
+        over = ratios.get(f"overhead_vs_{baseline}")
+        rows.append(
+            [
+                r["method"],
+                "-" if r["budget"] is None else str(r["budget"]),
+                f"{r['windows'][0]['tokens_per_second']:.1f}",
+                f"{r['windows'][-1]['tokens_per_second']:.1f}",
+                _fmt(win_ratio, ".2f"),
+                format_bytes(last_mark.get("kv_bytes")),
+                _fmt(kv_ratio, ".3f"),
+                format_bytes(r["peak_kv_bytes"]),
+                format_bytes(r["rss_peak_delta"]),
+                f"{100 * r['score_select_fraction']:.1f}%",
+                "-" if over is None else f"{100 * over:+.1f}%",
+                _fmt(r["top1_agreement"], ".3f"),
+            ]
+        )
+    return fill_table(table, cols, rows)
+
+
+def windows_table(record: dict):
+    """Tokens/s per window (rows: runs), with the ratio to full."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="tokens/s per window of decode steps (× full)", box=box.SIMPLE_HEAD)
+    table.add_column("run", no_wrap=True)
+    for w in record["runs"][0]["windows"]:
+        table.add_column(f"{w['start']}–{w['end']}", justify="right", no_wrap=True)
+    for r in record["runs"]:
+        ratios = r.get("ratios", {}).get("windows") or [None] * len(r["windows"])
+        cells = [
+            f"{w['tokens_per_second']:.1f}" + ("" if q is None else f" ({q:.2f})")
+            for w, q in zip(r["windows"], ratios, strict=True)
+        ]
+        table.add_row(r["label"], *cells)
+    return table
+
+
+def memory_table(record: dict):
+    """K/V bytes at each length mark (rows: runs), with the ratio to full."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="K/V bytes at each length (× full)", box=box.SIMPLE_HEAD)
+    table.add_column("run", no_wrap=True)
+    for length in record["lengths"]:
+        table.add_column(str(length), justify="right", no_wrap=True)
+    for r in record["runs"]:
+        ratios = r.get("ratios", {}).get("kv_bytes") or [None] * len(r["marks"])
+        cells = [
+            format_bytes(m["kv_bytes"]) + ("" if q is None else f" ({q:.3f})")
+            for m, q in zip(r["marks"], ratios, strict=True)
+        ]
+        table.add_row(r["label"], *cells)
+    return table
