@@ -617,7 +617,7 @@ def app() -> typer.Typer:
 
 def test_sweep_and_report_commands_end_to_end(tmp_path, monkeypatch) -> None:
     # The default loader (reasonkv's load_model) replaced, as the other CLI tests do.
-    monkeypatch.setattr(sw, "load_model", tiny_loader)
+    monkeypatch.setattr(sw.pool, "load_model", tiny_loader)  # the worker looks it up there
     write_traces(tmp_path / "traces.jsonl")
     grid_path = tmp_path / "grid.toml"
     grid_path.write_text(

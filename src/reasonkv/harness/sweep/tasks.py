@@ -1,0 +1,184 @@
+"""What a worker does with a task: replay or evaluate its units, one record per unit.
+
+A task's records are written when it ends; an interrupted task writes nothing, and its
+units rerun on resume. A resumed replay task runs only its missing methods: each method's
+numbers depend on the trace and the shared reference alone, not on which other methods
+ran beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import traceback
+import zlib
+from datetime import datetime, timezone
+
+import torch
+
+from reasonkv.harness.sweep.units import Task, Unit
+from reasonkv.methods.api import make_cache
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _record(unit: Unit, status: str, **fields) -> dict:
+    return {"key": unit.key, "status": status, "kind": unit.config["kind"], "config": unit.config, **fields}
+
+
+def error_record(unit: Unit, err: BaseException, phase: str = "run") -> dict:
+    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    return _record(
+        unit,
+        "error",
+        error=f"{type(err).__name__}: {err}",
+        phase=phase,
+        traceback=tb[-4000:],
+        timings={},
+        source=unit.source,
+        finished=_now(),
+    )
+
+
+def replay_task(model, tokenizer, task: Task) -> list[dict]:
+    """Replay the task's traces (one, or several as one batch) under its runs in one pass;
+    one record per unit. Units a task does not hold (done before a resume) are not rerun
+    unless the rectangle traces × runs needs them, and then not written again."""
+    from reasonkv.harness.replay import ReplayRun, replay_batch
+    from reasonkv.harness.traces import replay_input
+
+    c = task.units[0].config
+    records: list[dict] = []
+    inputs, input_of = [], {}
+    for u in task.units:
+        if u.item["id"] in input_of or any(r["key"] == u.key for r in records):
+            continue
+        try:
+            inp = replay_input(tokenizer, u.item, c["max_tokens"])
+        except Exception as err:  # a trace that cannot be replayed fails its units alone
+            records += [error_record(v, err) for v in task.units if v.item["id"] == u.item["id"]]
+            continue
+        input_of[u.item["id"]] = len(inputs)
+        inputs.append(inp)
+    runs: dict[tuple, ReplayRun] = {}
+    for u in task.units:
+        run = ReplayRun(u.config["method"], u.config["budget"], dict(u.config["knobs"]))
+        if _run_id(run) in runs or u.item["id"] not in input_of:
+            continue
+        try:  # a method that cannot run (budget below its protected window) fails alone
+            make_cache(model, run.method, run.budget, **run.knobs)
+        except Exception as err:
+            records += [error_record(v, err) for v in task.units if _run_id(_run_of(v)) == _run_id(run)]
+            continue
+        runs[_run_id(run)] = run
+    pending = [u for u in task.units if u.item["id"] in input_of and _run_id(_run_of(u)) in runs]
+    if not pending:
+        return records
+    torch.manual_seed(c["seed"])
+    start = time.perf_counter()
+    try:
+        results = replay_batch(model, inputs, list(runs.values()))
+    except Exception as err:
+        if len(pending) == 1:
+            return records + [error_record(pending[0], err)]
+        # One method or trace broke the shared pass: replay each unit alone, so only the culprit
+        # fails (a unit's numbers are the same alone or shared, up to float rounding).
+        for u in pending:
+            records += replay_task(model, tokenizer, dataclasses.replace(task, units=[u]))
+        return records
+    wall = time.perf_counter() - start
+    column = {rid: j for j, rid in enumerate(runs)}
+    for u in pending:
+        inp = inputs[input_of[u.item["id"]]]
+        r = results[input_of[u.item["id"]]][column[_run_id(_run_of(u))]]
+        d = r.to_dict(c["bin"])
+        metrics = {k: d[k] for k in ("positions", "mean_kl", "top1", "ppl_ratio", "nll", "nll_full")}
+        metrics.update(
+            tokens=int(inp.input_ids.shape[1]),
+            prompt_len=inp.prompt_len,
+            live_tokens=r.live_tokens,
+            forwards=r.forwards,
+            compressions=r.compressions,
+            sums=r.sums(),
+            curve=d["curve"],
+        )
+        timings = {
+            "seconds": r.seconds,
+            "task_seconds": wall,
+            "task_units": len(pending),
+            "task_traces": len(inputs),
+        }
+        records.append(_record(u, "ok", metrics=metrics, timings=timings, source=u.source, finished=_now()))
+    return records
+
+
+def _run_of(u: Unit):
+    from reasonkv.harness.replay import ReplayRun
+
+    return ReplayRun(u.config["method"], u.config["budget"], dict(u.config["knobs"]))
+
+
+def _run_id(run) -> tuple:
+    return (run.method, run.budget, json.dumps(run.knobs, sort_keys=True))
+
+
+def eval_task(model, tokenizer, task: Task) -> list[dict]:
+    from reasonkv.harness.accuracy import evaluate
+
+    records = []
+    for u in task.units:
+        c = u.config
+        # One seed per (grid seed, problem), whatever else runs: a problem's samples repeat exactly.
+        seed = (c["seed"] * 1_000_003 + zlib.crc32(c["item"].encode())) % 2**31
+        start = time.perf_counter()
+        try:
+            result = evaluate(
+                model,
+                tokenizer,
+                [u.item],
+                c["method"],
+                c["budget"],
+                c["knobs"],
+                n_samples=c["samples"],
+                greedy=c["greedy"],
+                temperature=c["temperature"] if c["temperature"] is not None else 0.6,
+                top_p=c["top_p"] if c["top_p"] is not None else 0.95,
+                max_new_tokens=c["max_new_tokens"],
+                seed=seed,
+                batch_size=c["batch_size"],
+                think_budget=c["think_budget"],
+            )
+        except Exception as err:
+            records.append(error_record(u, err))
+            continue
+        problem = result.pop("problems")[0]
+        metrics = {
+            k: result[k]
+            for k in (
+                "pass@1",
+                "mean_length",
+                "truncation_rate",
+                "generated_tokens",
+                "tokens_per_second",
+                "peak_kv_bytes",
+                "mean_kv_bytes",
+                "peak_live_kv_bytes",
+                "mean_live_kv_bytes",
+            )
+        }
+        metrics.update(
+            samples=c["samples"],
+            sampling_seed=seed,
+            answer=problem["answer"],
+            predictions=problem["predictions"],
+            correct=problem["correct"],
+            lengths=problem["lengths"],
+            truncated=problem["truncated"],
+            outputs=problem["outputs"],
+        )
+        timings = {"seconds": time.perf_counter() - start, "generate_seconds": result["generate_seconds"]}
+        records.append(_record(u, "ok", metrics=metrics, timings=timings, source=u.source, finished=_now()))
+    return records
