@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reasonkv.harness.sweep import read_results
+from reasonkv.harness.sweep.log import read_results
 
 
 @dataclass
