@@ -21,6 +21,7 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    PreTrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -46,14 +47,13 @@ _ARCH_CLASSES = {
 }
 
 
-def build_tiny_model(arch: str, attn: str = "sdpa", kv_heads: int = 2, seed: int = 0) -> PreTrainedModel:
-    """A fresh 2-layer model with 4 query heads of dim 16; kv_heads=4 is MHA, 2 or 1 is GQA.
-
-    The init is wider than the default (0.02) so attention is peaked and greedy choices have
-    clear margins: eviction then visibly changes outputs, and float noise does not.
-    """
-    config_cls, model_cls, extra = _ARCH_CLASSES[arch]
-    config = config_cls(
+def tiny_config(
+    arch: str = "llama", kv_heads: int = 2, init_range: float = 0.2, **overrides
+) -> PreTrainedConfig:
+    """The tiny models' config: 2 layers, 4 query heads of dim 16 over `kv_heads` KV heads,
+    vocab 128, pad id 0, no BOS/EOS; `overrides` (any config field) on top."""
+    config_cls, _, extra = _ARCH_CLASSES[arch]
+    base = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -62,19 +62,40 @@ def build_tiny_model(arch: str, attn: str = "sdpa", kv_heads: int = 2, seed: int
         num_key_value_heads=kv_heads,
         head_dim=HEAD_DIM,
         max_position_embeddings=1024,
-        initializer_range=0.2,
+        initializer_range=init_range,
         pad_token_id=PAD,
         bos_token_id=None,
         eos_token_id=None,  # no early stop: every run produces exactly max_new_tokens
         tie_word_embeddings=False,
         **extra,
     )
+    return config_cls(**(base | overrides))
+
+
+def build_tiny_model(
+    arch: str,
+    attn: str = "sdpa",
+    kv_heads: int = 2,
+    seed: int = 0,
+    init_range: float = 0.2,
+    **overrides,
+) -> PreTrainedModel:
+    """A fresh seeded fp32 model of `tiny_config(arch, kv_heads, init_range, **overrides)`;
+    kv_heads=4 is MHA, 2 or 1 is GQA. The only tiny-model factory of the test suite.
+
+    The default init is wider than transformers' (0.02) so attention is peaked and greedy
+    choices have clear margins: eviction then visibly changes outputs, and float noise does
+    not. init_range=0.02 gives the flatter attention some per-method tests were tuned on.
+    The generation config takes its pad/BOS/EOS ids from the model config.
+    """
+    _, model_cls, _ = _ARCH_CLASSES[arch]
+    config = tiny_config(arch, kv_heads, init_range, **overrides)
     config._attn_implementation = attn
     torch.manual_seed(seed)
     model = model_cls(config).eval()
-    model.generation_config.pad_token_id = PAD
-    model.generation_config.eos_token_id = None
-    model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.bos_token_id = config.bos_token_id
     return model
 
 

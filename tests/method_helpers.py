@@ -1,32 +1,18 @@
-"""Helpers shared by the per-method test files (h2o, rkv, rpc): a default-init tiny Llama
-(its attention is flatter than conftest's wide-init models, which these tests were tuned on),
-a greedy generate that keeps the scores, and two left-padded prompts."""
+"""Helpers shared by the per-method test files (h2o, rkv, rpc): conftest's tiny Llama at the
+default init (its attention is flatter than the wide-init models, and these tests were tuned on
+it), a greedy generate that keeps the scores, and two left-padded prompts."""
 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
+
+from conftest import build_tiny_model
 
 
-def tiny_llama_config(**overrides) -> LlamaConfig:
-    """2 layers, 4 query heads over 2 KV heads, vocab 128, pad id 0; `overrides` on top."""
-    base = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-    )
-    return LlamaConfig(**(base | overrides))
-
-
-def tiny_model(attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = tiny_llama_config()
-    cfg._attn_implementation = attn
-    return LlamaForCausalLM(cfg).eval()
+def flat_llama(attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
+    """conftest's tiny Llama (2 layers, 4 query heads over 2 KV heads) at init range 0.02."""
+    return build_tiny_model("llama", attn, kv_heads=2, seed=seed, init_range=0.02)
 
 
 def greedy(model, ids, mask, cache, n: int):
@@ -62,7 +48,7 @@ def assert_no_eviction_matches_stock(model, method: str, budget: int) -> None:
 
     from reasonkv import make_cache
 
-    stock = tiny_model()
+    stock = flat_llama()
     ids, mask, _ = padded_prompts()
     ref = greedy(stock, ids, mask, DynamicCache(config=stock.config), 24)
     cache = make_cache(model, method, budget=budget)

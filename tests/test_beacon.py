@@ -11,8 +11,15 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from conftest import dynamic_cache, greedy_loop, left_pad, random_prompt, tiny_model
-from method_helpers import tiny_llama_config
+from conftest import (
+    build_tiny_model,
+    dynamic_cache,
+    greedy_loop,
+    left_pad,
+    random_prompt,
+    tiny_config,
+    tiny_model,
+)
 from reasonkv import make_cache
 from reasonkv.core.cache import CompressedLayer
 from reasonkv.core.policy import EMPTY, BeaconKVScorer, Observation, protected_mask, select_tokens
@@ -42,7 +49,7 @@ ROPES = {
 
 
 def rope_config(rope: str) -> LlamaConfig:
-    return tiny_llama_config(head_dim=D, max_position_embeddings=1024, rope_parameters=dict(ROPES[rope]))
+    return tiny_config("llama", head_dim=D, rope_parameters=dict(ROPES[rope]))
 
 
 # --------------------------------------------------------------------------- rotation
@@ -412,12 +419,7 @@ def test_repeated_token_gives_one_beacon_per_query_head() -> None:
     """Layer 0's pre-RoPE query depends on the token only, so a prompt of one repeated token
     has G distinct pre-RoPE queries per KV head; recovered from post-RoPE queries at 60
     different positions (rope-scaled model), they must all be recognised as the same."""
-    from transformers import LlamaForCausalLM
-
-    cfg = rope_config("yarn")
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    model = build_tiny_model("llama", "sdpa", seed=0, init_range=0.02, rope_parameters=dict(ROPES["yarn"]))
     cache = make_cache(model, "beaconkv", 512)
     with torch.no_grad():
         model(input_ids=torch.full((1, 60), 5), cache=cache)

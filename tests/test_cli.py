@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
 import reasonkv
-from method_helpers import tiny_llama_config
+from conftest import build_tiny_model
 from reasonkv.cli import main as cli
 from reasonkv.core.policy import StreamingScorer
 from reasonkv.core.policy.schedules import MaxMinThreshold
@@ -52,10 +52,8 @@ class CharTokenizer:
 
 
 def tiny_llama(attn: str = "sdpa") -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = tiny_llama_config(bos_token_id=1, eos_token_id=None)
-    cfg._attn_implementation = attn
-    return LlamaForCausalLM(cfg).eval()
+    """conftest's tiny Llama at init range 0.02, with BOS id 1 (no EOS)."""
+    return build_tiny_model("llama", attn, seed=0, init_range=0.02, bos_token_id=1)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from method_helpers import assert_no_eviction_matches_stock, greedy, padded_prompts, tiny_model
+from method_helpers import assert_no_eviction_matches_stock, flat_llama, greedy, padded_prompts
 from reasonkv import make_cache
 from reasonkv.core.models import attention_modules
 from reasonkv.core.policy import EMPTY, H2OScorer, Observation, protected_mask, select_tokens
@@ -115,7 +115,7 @@ def test_h2o_scores_follow_the_kept_tokens_through_every_eviction():
     """At every step and layer, each surviving token's h2o_acc equals the sum of the attention the
     model actually gave it (eager weights, all query heads of its group, every query since it
     entered), looked up by token identity: any mis-gathered state would break the equality."""
-    model = tiny_model("eager", seed=2)
+    model = flat_llama("eager", seed=2)
     budget = 6
     cache = make_cache(model, "h2o", budget=budget)
     g = model.config.num_attention_heads // model.config.num_key_value_heads
@@ -163,7 +163,7 @@ def test_h2o_scores_follow_the_kept_tokens_through_every_eviction():
 
 
 def test_h2o_keeps_the_recent_half_and_heavy_hitters():
-    model = tiny_model(seed=3)
+    model = flat_llama(seed=3)
     cache = make_cache(model, "h2o", budget=8)
     ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(1))
     greedy(model, ids, None, cache, 10)
@@ -177,7 +177,7 @@ def test_h2o_keeps_the_recent_half_and_heavy_hitters():
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model()
+    return flat_llama()
 
 
 def test_h2o_without_eviction_equals_dynamic_cache(model):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from method_helpers import assert_no_eviction_matches_stock, greedy, padded_prompts, tiny_model
+from method_helpers import assert_no_eviction_matches_stock, flat_llama, greedy, padded_prompts
 from reasonkv import make_cache
 from reasonkv.core.policy import EMPTY, Observation, RKVScorer, protected_mask, select_tokens
 
@@ -184,7 +184,7 @@ def test_rkv_redundancy_in_passes_equals_one_pass(monkeypatch, heads_per_pass):
 # ------------------------------------------------------------------------------ method
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model()
+    return flat_llama()
 
 
 def test_rkv_without_eviction_equals_dynamic_cache(model):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from method_helpers import assert_no_eviction_matches_stock, greedy, padded_prompts, tiny_model
+from method_helpers import assert_no_eviction_matches_stock, flat_llama, greedy, padded_prompts
 from reasonkv import make_cache
 from reasonkv.core.policy import EMPTY, Observation, RPCScorer, protected_mask, select_tokens
 from reasonkv.core.policy.schedules import PeriodicRatio
@@ -128,7 +128,7 @@ def test_periodic_ratio_budget_meaning():
 # ------------------------------------------------------------------------------ method
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model()
+    return flat_llama()
 
 
 def test_rpc_fires_at_the_papers_steps_and_keeps_the_papers_counts(model):
