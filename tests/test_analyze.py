@@ -28,10 +28,10 @@ from reasonkv.harness.analyze import (
     missed_revisits,
     needed_keys,
     persistent_keys,
+    plot_pca,
     simulate_beacons,
     update_eviction_times,
 )
-from reasonkv.harness.analyze_report import plot_pca
 from reasonkv.harness.profile import profile_trace
 from reasonkv.harness.replay import ReplayRun
 from test_cli import CharTokenizer, runner
