@@ -1,5 +1,5 @@
 """`reasonkv eval`: the problem loaders, the accuracy metrics, --think-budget, the command, and a
-smoke run on the real default model (3 MATH-500 problems)."""
+smoke run on the real default model (2 MATH-500 problems, full vs snapkv)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 import reasonkv
 from reasonkv.cli import evaluate as accuracy_cli
+from reasonkv.harness import accuracy as accuracy_module
 from reasonkv.harness import datasets as ds
 from reasonkv.harness.accuracy import INSTRUCTION, THINK_CLOSE, build_prompt, evaluate
 from test_cli import CharTokenizer, errors_of, runner, tiny_llama
@@ -361,17 +362,60 @@ def smoke_problems(n: int) -> list[dict]:
 
 
 @pytest.mark.model
-def test_eval_smoke_on_the_default_model() -> None:
-    problems = smoke_problems(3)
+def test_eval_smoke_on_the_default_model(monkeypatch) -> None:
+    """2 MATH-500 problems, 24 greedy tokens each, on the real model: with a budget above every
+    sequence's length snapkv never evicts and generates exactly the full cache's tokens; at
+    budget 32 it evicts, and its live K/V stays under the schedule's bound, well below the
+    full cache's."""
+    problems = smoke_problems(2)
     started = time.perf_counter()
     model, tokenizer = reasonkv.load_model("smollm2-135m")
-    result = evaluate(
-        model, tokenizer, problems, "snapkv", 32, {"interval": 16}, greedy=True, max_new_tokens=48
-    )
-    elapsed = time.perf_counter() - started
-    assert [r["id"] for r in result["problems"]] == [p["id"] for p in problems]
-    assert all(len(r["correct"]) == 1 and len(r["lengths"]) == 1 for r in result["problems"])
-    assert all(0 < r["lengths"][0] <= 48 for r in result["problems"])
-    assert 0.0 <= result["pass@1"] <= 1.0 and 0.0 <= result["truncation_rate"] <= 1.0
-    assert 0 < result["peak_live_kv_bytes"] <= result["peak_kv_bytes"]
-    print(f"eval smoke: 3 problems, {result['generated_tokens']} tokens, {elapsed:.1f} s with the load")
+    loaded = time.perf_counter()
+    caches: list = []  # every cache evaluate makes (the first of each call only checks the knobs)
+    sequences: list[torch.Tensor] = []  # every generate() output, prompt included
+
+    def recording_make_cache(*args, **kwargs):
+        caches.append(reasonkv.make_cache(*args, **kwargs))
+        return caches[-1]
+
+    def recording_generate(*args, _generate=model.generate, **kwargs):
+        sequences.append(_generate(*args, **kwargs))
+        return sequences[-1]
+
+    monkeypatch.setattr(accuracy_module, "make_cache", recording_make_cache)
+    monkeypatch.setattr(model, "generate", recording_generate)
+
+    def run(method: str, budget: int | None, **knobs) -> tuple[dict, list, list[torch.Tensor]]:
+        caches.clear()
+        sequences.clear()
+        result = evaluate(model, tokenizer, problems, method, budget, knobs, greedy=True, max_new_tokens=24)
+        assert [r["id"] for r in result["problems"]] == [p["id"] for p in problems]
+        assert all(len(r["correct"]) == 1 and 0 < r["lengths"][0] <= 24 for r in result["problems"])
+        assert result["generated_tokens"] == sum(r["lengths"][0] for r in result["problems"])
+        assert 0 < result["peak_live_kv_bytes"] <= result["peak_kv_bytes"]
+        assert len(caches) == 1 + len(problems) and len(sequences) == len(problems)  # batch_size 1
+        return result, caches[1:], list(sequences)
+
+    full, _, full_tokens = run("full", None)
+    roomy, roomy_caches, roomy_tokens = run("snapkv", 4096, interval=16)
+    tight, tight_caches, _ = run("snapkv", 32, interval=16)
+    decoding = time.perf_counter() - loaded
+
+    # Nothing to evict: the full cache's completions, token for token.
+    assert all(c.events == [] for c in roomy_caches)
+    assert max(seq.shape[1] for seq in roomy_tokens) < 4096
+    for ours, ref in zip(roomy_tokens, full_tokens, strict=True):
+        assert torch.equal(ours, ref)
+    assert [r["outputs"] for r in roomy["problems"]] == [r["outputs"] for r in full["problems"]]
+    assert roomy["peak_live_kv_bytes"] == full["peak_live_kv_bytes"]
+
+    # Budget 32: every problem's cache evicted, and live K/V stayed under the bound
+    # (budget + interval tokens per head at most, in every layer and KV head).
+    assert all(len(c.events) > 0 for c in tight_caches)
+    bound = tight_caches[0].live_token_bound()
+    assert bound is not None and bound <= 32 + 16
+    cfg = model.config
+    per_token = 2 * cfg.head_dim * model.dtype.itemsize  # K and V of one token in one head
+    assert tight["peak_live_kv_bytes"] <= cfg.num_hidden_layers * cfg.num_key_value_heads * bound * per_token
+    assert tight["peak_live_kv_bytes"] < full["peak_live_kv_bytes"] / 2
+    print(f"eval smoke: load {loaded - started:.1f} s, 3 runs of 2 problems {decoding:.1f} s")

@@ -14,7 +14,7 @@ from transformers import (
 )
 
 import reasonkv
-from conftest import build_tiny_model, random_prompt, tiny_model
+from conftest import build_tiny_model, dynamic_cache, greedy_loop, random_prompt, tiny_model
 from reasonkv.core.models import check_supported
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
@@ -93,8 +93,26 @@ def test_unsupported_architecture_is_refused(name: str) -> None:
     assert model.config._attn_implementation == attn_before, "a refused model is left untouched"
 
 
-def test_qwen2_with_the_window_switched_off_is_supported() -> None:
-    check_supported(Qwen2Config(**SMALL, use_sliding_window=False, sliding_window=4096))
+@pytest.mark.parametrize(("method", "budget"), [("full", None), ("snapkv", 64)])
+def test_qwen2_with_the_window_switched_off_is_supported(method: str, budget: int | None) -> None:
+    """Qwen2 checkpoints carry sliding_window (4096) with use_sliding_window=False: the window is
+    off, so reasonkv takes the model and decodes exactly like a stock model with a DynamicCache
+    (a budget above the length never evicts). The window here is 4, far below the 28 tokens
+    seen, so attention that honoured it would change the outputs."""
+    model, stock = build_tiny_model("qwen2", seed=5), build_tiny_model("qwen2", seed=5)
+    for m in (model, stock):
+        # Qwen2Config drops the window when it is off; a config read from a checkpoint may keep it.
+        m.config.sliding_window = 4
+        assert m.config.use_sliding_window is False
+    check_supported(model.config)
+    prompt = random_prompt(12, seed=3)
+    ref_tokens, ref_logits = greedy_loop(stock, prompt, dynamic_cache(), 16)
+    cache = reasonkv.make_cache(model, method, budget)
+    tokens, logits = greedy_loop(model, prompt, cache, 16)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
+    assert cache.get_seq_length() == 12 + 16
+    assert cache.events == []
 
 
 def test_a_cache_used_with_another_model_of_the_same_shape_is_refused() -> None:
