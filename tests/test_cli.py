@@ -13,7 +13,10 @@ from typer.testing import CliRunner
 
 import reasonkv
 from conftest import build_tiny_model
+from reasonkv.cli import common
+from reasonkv.cli import generate as generate_cli
 from reasonkv.cli import main as cli
+from reasonkv.cli import profile as profile_cli
 from reasonkv.core.policy import StreamingScorer
 from reasonkv.core.policy.schedules import MaxMinThreshold
 from reasonkv.harness import demo
@@ -65,7 +68,8 @@ def fake_loader(monkeypatch):
         calls.append({"name": name, "attn_implementation": attn_implementation, **kwargs})
         return tiny_llama(attn_implementation), CharTokenizer()
 
-    monkeypatch.setattr(cli, "load_model", load)
+    monkeypatch.setattr(generate_cli, "load_model", load)
+    monkeypatch.setattr(profile_cli, "load_model", load)
     monkeypatch.setattr(demo, "load_model", load)
     return calls
 
@@ -77,7 +81,8 @@ def no_loading(monkeypatch):
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded although the arguments were invalid")
 
-    monkeypatch.setattr(cli, "load_model", load)
+    monkeypatch.setattr(generate_cli, "load_model", load)
+    monkeypatch.setattr(profile_cli, "load_model", load)
     monkeypatch.setattr(demo, "load_model", load)
 
 
@@ -121,35 +126,35 @@ def test_methods_picks_up_a_method_registered_later(monkeypatch):
     ],
 )
 def test_set_values_are_auto_typed(text, value):
-    parsed = cli.parse_value(text)
+    parsed = common.parse_value(text)
     assert parsed == value and type(parsed) is type(value)
 
 
 def test_set_items_become_a_dict_later_items_win():
-    assert cli.parse_sets(["window=16", "pooling=avg", "window=4", "note=a=b"]) == {
+    assert common.parse_sets(["window=16", "pooling=avg", "window=4", "note=a=b"]) == {
         "window": 4,
         "pooling": "avg",
         "note": "a=b",
     }
-    assert cli.parse_sets(None) == {}
+    assert common.parse_sets(None) == {}
 
 
 @pytest.mark.parametrize("item", ["window", "=3", ""])
 def test_set_without_key_value_is_refused(item):
-    with pytest.raises(cli.CliError, match="key=value"):
-        cli.parse_sets([item])
+    with pytest.raises(common.CliError, match="key=value"):
+        common.parse_sets([item])
 
 
 def test_number_lists_keep_first_occurrences_and_name_the_option():
-    assert cli.split_list(" a, b,,c ", "--x") == ["a", "b", "c"]
-    assert cli.positive_ints("64, 128,64,8", "--budgets", "tokens") == [64, 128, 8]
+    assert common.split_list(" a, b,,c ", "--x") == ["a", "b", "c"]
+    assert common.positive_ints("64, 128,64,8", "--budgets", "tokens") == [64, 128, 8]
     for text, message in [
         (" , ", "--budgets takes a comma-separated list, got ' , '"),
         ("64,1.5", "--budgets takes positive integers (tokens), got '1.5'"),
         ("64,-3", "--budgets takes positive integers (tokens), got -3"),
     ]:
-        with pytest.raises(cli.CliError) as err:
-            cli.positive_ints(text, "--budgets", "tokens")
+        with pytest.raises(common.CliError) as err:
+            common.positive_ints(text, "--budgets", "tokens")
         assert str(err.value) == message
 
 
@@ -215,7 +220,7 @@ def test_generate_passes_method_budget_and_knobs_to_the_cache(fake_loader, monke
         made.append((method, budget, knobs, cache))
         return cache
 
-    monkeypatch.setattr(cli, "make_cache", spy_make_cache)
+    monkeypatch.setattr(generate_cli, "make_cache", spy_make_cache)
     prompt = "a prompt of some forty characters, or so"
     args = [
         "generate",

@@ -1,1 +1,2 @@
-"""The `reasonkv` command line (typer). The app is assembled in `reasonkv.cli.main`."""
+"""The `reasonkv` command line (typer): shared helpers in `common`, one module per command
+group, the app assembled in `main`."""

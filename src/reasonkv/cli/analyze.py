@@ -1,12 +1,7 @@
-"""`reasonkv analyze`: show what the cache is doing on one trace (revisits, beacons, the wave).
-
-Registered by the CLI module as `app.command("analyze")(analyze_command)`. reasonkv.cli.main is
-imported inside the function, so cli.py may import this module at any point without a cycle.
-"""
+"""`reasonkv analyze`: show what the cache is doing on one trace (revisits, beacons, the wave)."""
 
 from __future__ import annotations
 
-import shlex
 import time
 from pathlib import Path
 from typing import Annotated
@@ -14,17 +9,30 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from reasonkv.cli.common import (
+    CliError,
+    MaxTokensOption,
+    ModelOption,
+    SharedSetsOption,
+    TracesOption,
+    build_runs,
+    command_line,
+    console,
+    err_console,
+    fail,
+    parse_sets,
+    progress_bar,
+    split_list,
+)
 from reasonkv.core.models import DEFAULT_MODEL, load_model
-from reasonkv.harness.analyze import RevisitRule, analyze_trace, default_distance
+from reasonkv.harness.analyze import RevisitRule, analyze_trace, default_distance, write_report
 from reasonkv.harness.traces import load_traces, replay_input
+from reasonkv.methods.api import make_cache
+from reasonkv.methods.profiles import find_profile, load_profile
 from reasonkv.util.runtime import quiet_loading, set_threads
-
-MODEL_HELP = "Bundled name (smollm2-135m), local directory or .gguf file, or Hugging Face id."
 
 
 def _int_list(text: str | None, what: str) -> list[int] | None:
-    from reasonkv.cli.main import CliError
-
     if text is None or text.strip().lower() == "auto":
         return None
     try:
@@ -37,16 +45,16 @@ def _int_list(text: str | None, what: str) -> list[int] | None:
 
 
 def analyze_command(
-    traces: Annotated[Path, typer.Option("--traces", help="jsonl with id, problem, trace.")],
+    traces: TracesOption,
     out: Annotated[Path, typer.Option("--out", help="Folder for index.html, the PNGs and summary.json.")],
     trace_id: Annotated[
         str | None, typer.Option("--id", help="The trace to analyse (default: the first of --variant).")
     ] = None,
-    model_name: Annotated[str, typer.Option("--model", help=MODEL_HELP)] = DEFAULT_MODEL,
+    model_name: ModelOption = DEFAULT_MODEL,
     variant: Annotated[
         str, typer.Option("--variant", help="Rows of this `variant` ('all' = every row).")
     ] = "well_posed",
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Truncate prompt + trace to this.")] = 2048,
+    max_tokens: MaxTokensOption = 2048,
     layers: Annotated[
         str | None,
         typer.Option("--layers", help="Layers to draw, e.g. 0,15,29 (default: the 3 with most revisits)."),
@@ -61,10 +69,7 @@ def analyze_command(
         str, typer.Option("--methods", "-m", help="Methods to count missed revisits of ('none' = skip).")
     ] = "snapkv,rkv,beaconkv",
     budget: Annotated[int, typer.Option("--budget", "-b", help="Tokens per KV head for the methods.")] = 128,
-    sets: Annotated[
-        list[str] | None,
-        typer.Option("--set", "-s", help="key=value for every method that has the knob (repeatable)."),
-    ] = None,
+    sets: SharedSetsOption = None,
     distance: Annotated[
         int | None, typer.Option("--distance", help="D: far = at least this many tokens back (default n/8).")
     ] = None,
@@ -88,12 +93,6 @@ def analyze_command(
     """Replay one trace with the full cache and show thought revisiting: which queries look far
     back, what they read, the beacons BeaconKV would keep, the Reasoning Wave, and how many of
     the needed tokens each method had already evicted (missed revisits). Writes OUT/index.html."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from reasonkv.cli.main import CliError, console, err_console, fail, parse_sets, split_list
-    from reasonkv.cli.replay import build_runs
-    from reasonkv.methods.profiles import find_profile, load_profile
-
     try:
         if methods.strip().lower() in ("none", ""):
             runs = []
@@ -131,8 +130,6 @@ def analyze_command(
         if n - inp.prompt_len < 2:
             raise CliError(f"trace {row['id']} is too short to analyse (under 2 trace tokens)")
         rule = RevisitRule(distance or default_distance(n), fraction, n_sink, top_k, persistent or None)
-        from reasonkv.methods.api import make_cache
-
         for run in runs:  # build each cache once: budget/knob errors surface before any work
             make_cache(model, run.method, run.budget, **run.knobs)
     except (CliError, ValueError, FileNotFoundError) as err:
@@ -143,8 +140,7 @@ def analyze_command(
     trace_tokens = n - inp.prompt_len
     total = trace_tokens * (2 if (rule.persistent is not None or layer_list is None) else 1)
     start = time.perf_counter()
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err_console) as progress:
+    with progress_bar() as progress:
         task = progress.add_task(f"analysing {row['id']} ({n} tokens, {len(runs)} methods)", total=total)
         analysis = analyze_trace(
             model,
@@ -177,12 +173,14 @@ def analyze_command(
     parts += ["--variant", variant] if variant != "well_posed" else []
     for item in sets or []:
         parts += ["--set", item]
-    command = "reasonkv analyze " + " ".join(shlex.quote(str(a)) for a in parts)
-
-    from reasonkv.harness.analyze_report import write_report
-
     summary = write_report(
-        analysis, tokenizer, out, heads=head_list, profile=profile, model_name=model_name, command=command
+        analysis,
+        tokenizer,
+        out,
+        heads=head_list,
+        profile=profile,
+        model_name=model_name,
+        command=command_line("analyze", parts),
     )
     wall = time.perf_counter() - start
     share = analysis.global_fraction()

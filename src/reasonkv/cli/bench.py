@@ -1,36 +1,46 @@
-"""`reasonkv bench`: decode speed and memory of methods × budgets on identical tokens.
-
-Registered by the CLI module as `app.command("bench")(bench_command)`. reasonkv.cli.main is
-imported inside the function, so cli.py may import this module at any point without a cycle.
-"""
+"""`reasonkv bench`: decode speed and memory of methods × budgets on identical tokens."""
 
 from __future__ import annotations
 
-import json
 import os
-import shlex
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
 
 import torch
 import typer
+from rich import box
 from rich.markup import escape
+from rich.table import Table
 
+from reasonkv.cli.common import (
+    AttnOption,
+    BudgetsOption,
+    CliError,
+    ModelOption,
+    ResultsOutOption,
+    SharedSetsOption,
+    build_runs,
+    check_attn,
+    command_line,
+    console,
+    err_console,
+    fail,
+    parse_sets,
+    positive_ints,
+    progress_bar,
+    split_list,
+    write_json_atomic,
+)
 from reasonkv.core.models import DEFAULT_MODEL, load_model
 from reasonkv.harness import bench
 from reasonkv.harness.demo import PROBLEM
 from reasonkv.methods.api import make_cache
 from reasonkv.util.runtime import quiet_loading, set_threads
 
-MODEL_HELP = "Bundled name (smollm2-135m), local directory or .gguf file, or Hugging Face id."
 
-
-def profile_table(profiles: list[dict]):
+def profile_table(profiles: list[dict]) -> Table:
     """Milliseconds per decode step by group, one row per profiled run."""
-    from rich import box
-    from rich.table import Table
-
     groups = list(profiles[0]["groups_seconds_per_step"])
     table = Table(
         title=f"one decode step at {profiles[0]['context']} generated tokens (ms, torch.profiler, "
@@ -51,30 +61,25 @@ def profile_table(profiles: list[dict]):
 
 
 def bench_command(
-    model_name: Annotated[str, typer.Option("--model", help=MODEL_HELP)] = DEFAULT_MODEL,
+    model_name: ModelOption = DEFAULT_MODEL,
     methods: Annotated[
         str, typer.Option("--methods", "-m", help="Comma-separated names from `reasonkv methods` (+ full).")
     ] = "full,streaming,snapkv,rkv,beaconkv",
-    budgets: Annotated[
-        str, typer.Option("--budgets", "-b", help="Comma-separated tokens per KV head.")
-    ] = "512",
+    budgets: BudgetsOption = "512",
     lengths: Annotated[
         str,
         typer.Option("--lengths", "-l", help="Generated-token marks (the largest is the decode length)."),
     ] = "1024,2048,4096,8192",
     window: Annotated[int, typer.Option("--window", help="Decode steps per tokens/s window.")] = 1024,
-    sets: Annotated[
-        list[str] | None,
-        typer.Option("--set", "-s", help="key=value for every method that has the knob (repeatable)."),
-    ] = None,
-    out: Annotated[Path, typer.Option("--out", help="Where to write the results JSON.")] = Path("bench.json"),
+    sets: SharedSetsOption = None,
+    out: ResultsOutOption = Path("bench.json"),
     plot: Annotated[
         Path | None, typer.Option("--plot", help="Also draw tok/s and KV bytes vs length into this folder.")
     ] = None,
     prompt: Annotated[
         str, typer.Option("--prompt", help="User message (chat template); default: the demo's problem.")
     ] = PROBLEM,
-    attn: Annotated[str, typer.Option(help="Attention backend: sdpa or eager.")] = "sdpa",
+    attn: AttnOption = "sdpa",
     interleave: Annotated[
         bool,
         typer.Option(
@@ -98,11 +103,6 @@ def bench_command(
 ) -> None:
     """Decode tokens/s, KV bytes, peak memory and scoring cost of methods × budgets, all forced
     through the same tokens (the full cache's greedy output), each as a ratio to the full cache."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from reasonkv.cli.main import CliError, console, err_console, fail, parse_sets, positive_ints, split_list
-    from reasonkv.cli.replay import build_runs
-
     try:
         method_names = split_list(methods, "--methods")
         budget_list = positive_ints(budgets, "--budgets", "tokens per KV head")
@@ -111,8 +111,7 @@ def bench_command(
             raise CliError(f"--window must be positive, got {window}")
         if sample_every <= 0:
             raise CliError(f"--sample-every must be positive, got {sample_every}")
-        if attn not in ("sdpa", "eager"):
-            raise CliError(f"--attn must be sdpa or eager, got {attn!r}")
+        check_attn(attn)
         if profile_at < 0 or profile_steps <= 0:
             raise CliError("--profile-at must be >= 0 and --profile-steps positive")
         if profile_at and profile_at + 2 * profile_steps > length_list[-1]:
@@ -136,8 +135,7 @@ def bench_command(
 
     machine = bench.machine_info()
     n = length_list[-1]
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err_console) as progress:
+    with progress_bar() as progress:
         task = progress.add_task("decoding (steps)", total=n * (len(runs) + 1))
 
         def advance(label: str, k: int) -> None:
@@ -178,7 +176,7 @@ def bench_command(
         "kind": "bench",
         "model": model_name,
         "attn": attn,
-        "command": env + "reasonkv bench " + " ".join(shlex.quote(str(a)) for a in parts),
+        "command": env + command_line("bench", parts),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "threads": threads,
         "machine": machine,
@@ -187,10 +185,7 @@ def bench_command(
         "profiles": profiles,
         "process_max_rss": bench.max_rss(),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(out)  # atomic: an interrupted run never leaves half a file
+    write_json_atomic(record, out)
 
     console.print(bench.summary_table(record))
     console.print(bench.windows_table(record))

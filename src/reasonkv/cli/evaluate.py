@@ -1,8 +1,4 @@
-"""`reasonkv eval`: math accuracy (pass@1) of a model under a KV budget, with length and truncation.
-
-Registered in reasonkv.cli.main as `app.command("eval")(eval_command)`. reasonkv.cli.main is imported
-inside the command, so this module can be imported from anywhere in cli.py.
-"""
+"""`reasonkv eval`: math accuracy (pass@1) of a model under a KV budget, with length and truncation."""
 
 from __future__ import annotations
 
@@ -16,10 +12,24 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
+from reasonkv.cli.common import (
+    AttnOption,
+    BudgetOption,
+    CliError,
+    MethodOption,
+    MethodSetsOption,
+    check_attn,
+    console,
+    err_console,
+    fail,
+    parse_sets,
+    progress_bar,
+)
 from reasonkv.core.models import DEFAULT_MODEL, load_model
 from reasonkv.harness.accuracy import evaluate
 from reasonkv.harness.datasets import DATA_DIR_ENV, KNOWN, load_problems_from
 from reasonkv.methods.api import make_cache
+from reasonkv.methods.knobs import check_knobs
 from reasonkv.methods.registry import get_method
 from reasonkv.util.formatting import format_bytes
 from reasonkv.util.runtime import quiet_loading, set_threads
@@ -72,11 +82,9 @@ def eval_command(
     model_name: Annotated[
         str, typer.Option("--model", help="Bundled name (smollm2-135m), local directory or .gguf, or HF id.")
     ] = DEFAULT_MODEL,
-    method: Annotated[str, typer.Option("--method", "-m", help="A name from `reasonkv methods`.")] = "snapkv",
-    budget: Annotated[int, typer.Option("--budget", "-b", help="Tokens kept per KV head.")] = 128,
-    sets: Annotated[
-        list[str] | None, typer.Option("--set", "-s", help="Method parameter key=value (repeatable).")
-    ] = None,
+    method: MethodOption = "snapkv",
+    budget: BudgetOption = 128,
+    sets: MethodSetsOption = None,
     data_dir: Annotated[
         Path | None,
         typer.Option("--data-dir", help=f"Folder holding <dataset>.jsonl (default: ${DATA_DIR_ENV})."),
@@ -95,46 +103,38 @@ def eval_command(
     think_budget: Annotated[int | None, typer.Option("--think-budget", help=THINK_HELP)] = None,
     seed: Annotated[int, typer.Option(help="Seed of the sampling.")] = 0,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per generate call.")] = 1,
-    attn: Annotated[str, typer.Option(help="Attention backend: sdpa or eager.")] = "sdpa",
+    attn: AttnOption = "sdpa",
     hub: Annotated[
         bool, typer.Option("--hub/--no-hub", help="May fetch known datasets from the Hugging Face hub.")
     ] = True,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the full results as JSON.")] = None,
 ) -> None:
     """Task accuracy: pass@1 on MATH-500 / AIME under a KV budget, with mean length and truncation."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from reasonkv.cli import main as cli
-
     try:
         spec = get_method(method)
-        knobs = cli.check_knobs(spec, cli.parse_sets(sets))
+        knobs = check_knobs(spec, parse_sets(sets))
         if spec.compresses and budget <= 0:
-            raise cli.CliError(f"budget must be a positive number of tokens per KV head, got {budget}")
+            raise CliError(f"budget must be a positive number of tokens per KV head, got {budget}")
         if min(samples, max_new_tokens, batch_size) <= 0:
-            raise cli.CliError("--samples, --max-new-tokens and --batch-size must be positive")
+            raise CliError("--samples, --max-new-tokens and --batch-size must be positive")
         if not sample and samples > 1:
-            raise cli.CliError("--greedy gives the same completion every time: use --samples 1 or --sample")
+            raise CliError("--greedy gives the same completion every time: use --samples 1 or --sample")
         if think_budget is not None and not 0 < think_budget < max_new_tokens:
-            raise cli.CliError(
-                f"--think-budget must be between 1 and --max-new-tokens - 1, got {think_budget}"
-            )
-        if attn not in ("sdpa", "eager"):
-            raise cli.CliError(f"--attn must be sdpa or eager, got {attn!r}")
+            raise CliError(f"--think-budget must be between 1 and --max-new-tokens - 1, got {think_budget}")
+        check_attn(attn)
         id_list = [i.strip() for i in ids.split(",") if i.strip()] if ids else None
         problems, source = load_problems_from(dataset, limit=limit, ids=id_list, data_dir=data_dir, hub=hub)
         if not problems:
-            raise cli.CliError(f"{dataset}: no problems to evaluate")
+            raise CliError(f"{dataset}: no problems to evaluate")
         set_threads()
-        with cli.err_console.status(f"loading {model_name}…"), quiet_loading():
+        with err_console.status(f"loading {model_name}…"), quiet_loading():
             model, tokenizer = load_model(model_name, attn_implementation=attn)
         make_cache(model, method, budget, **knobs)  # e.g. a budget below the protected window
-    except (cli.CliError, ValueError, FileNotFoundError) as err:
-        cli.fail(str(err))
+    except (CliError, ValueError, FileNotFoundError) as err:
+        fail(str(err))
 
     started = time.perf_counter()
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=cli.err_console, transient=True) as progress:
+    with progress_bar(transient=True) as progress:
         task = progress.add_task(f"{method} on {dataset}", total=len(problems) * samples)
         result = evaluate(
             model,
@@ -161,9 +161,9 @@ def eval_command(
         **result,
     }
     for row in result["problems"]:
-        cli.console.print(escape(problem_line(row)), soft_wrap=True)
-    cli.console.print(summary_table(result))
+        console.print(escape(problem_line(row)), soft_wrap=True)
+    console.print(summary_table(result))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
-        cli.console.print(f"[dim]results -> {escape(str(out))}[/dim]")
+        console.print(f"[dim]results -> {escape(str(out))}[/dim]")

@@ -1,13 +1,7 @@
-"""`reasonkv replay`: trace-replay fidelity of methods × budgets on reasoning traces.
-
-Registered by the CLI module as `app.command("replay")(replay_command)`. reasonkv.cli.main is
-imported inside the functions, so cli.py may import this module at any point without a cycle.
-"""
+"""`reasonkv replay`: trace-replay fidelity of methods × budgets on reasoning traces."""
 
 from __future__ import annotations
 
-import json
-import shlex
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -17,37 +11,33 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from reasonkv.core.models import DEFAULT_MODEL, load_model
-from reasonkv.harness.replay import (
-    BIN,
-    BLOCK,
-    ReplayRun,
-    plot_fidelity,
-    replay_batch,
-    replay_methods,
-    summarize,
+from reasonkv.cli.common import (
+    BudgetsOption,
+    CliError,
+    MaxTokensOption,
+    ModelOption,
+    ResultsOutOption,
+    SharedSetsOption,
+    TraceLimitOption,
+    TracesOption,
+    VariantOption,
+    build_runs,
+    command_line,
+    console,
+    err_console,
+    fail,
+    parse_sets,
+    positive_ints,
+    progress_bar,
+    split_list,
+    write_json_atomic,
 )
+from reasonkv.core.models import DEFAULT_MODEL, load_model
+from reasonkv.harness.replay import BIN, BLOCK, plot_fidelity, replay_batch, replay_methods, summarize
 from reasonkv.harness.traces import load_traces, replay_input
 from reasonkv.methods.api import make_cache
-from reasonkv.methods.knobs import knobs_for_methods
-from reasonkv.methods.registry import get_method
 from reasonkv.util.runtime import quiet_loading, set_threads
 from reasonkv.util.tables import fill_table
-
-MODEL_HELP = "Bundled name (smollm2-135m), local directory or .gguf file, or Hugging Face id."
-
-
-def build_runs(methods: list[str], budgets: list[int], knobs: dict[str, object]) -> list[ReplayRun]:
-    """Every (method, budget), `full` once. A --set knob goes to every method that has it; a
-    knob that none of the methods knows is an error (a typo would otherwise be ignored)."""
-    own_knobs = knobs_for_methods(methods, knobs)
-    runs = []
-    for name, own in own_knobs.items():
-        if not get_method(name).compresses:
-            runs.append(ReplayRun(name, None, own))
-            continue
-        runs += [ReplayRun(name, b, own) for b in budgets]
-    return runs
 
 
 def _fmt(value, spec: str) -> str:
@@ -55,29 +45,20 @@ def _fmt(value, spec: str) -> str:
 
 
 def replay_command(
-    traces: Annotated[Path, typer.Option("--traces", help="jsonl with id, problem, trace.")],
-    out: Annotated[Path, typer.Option("--out", help="Where to write the results JSON.")] = Path(
-        "replay.json"
-    ),
-    model_name: Annotated[str, typer.Option("--model", help=MODEL_HELP)] = DEFAULT_MODEL,
+    traces: TracesOption,
+    out: ResultsOutOption = Path("replay.json"),
+    model_name: ModelOption = DEFAULT_MODEL,
     methods: Annotated[
         str, typer.Option("--methods", "-m", help="Comma-separated names from `reasonkv methods`.")
     ] = "full,streaming,snapkv,rkv",
-    budgets: Annotated[
-        str, typer.Option("--budgets", "-b", help="Comma-separated tokens per KV head.")
-    ] = "128",
+    budgets: BudgetsOption = "128",
     ids: Annotated[
         str | None, typer.Option("--ids", help="Comma-separated trace ids (in this order).")
     ] = None,
-    limit: Annotated[int | None, typer.Option("--limit", help="Use the first N traces.")] = None,
-    variant: Annotated[
-        str, typer.Option("--variant", help="Keep rows of this `variant` ('all' = every row).")
-    ] = "well_posed",
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Truncate prompt + trace to this.")] = 2048,
-    sets: Annotated[
-        list[str] | None,
-        typer.Option("--set", "-s", help="key=value for every method that has the knob (repeatable)."),
-    ] = None,
+    limit: TraceLimitOption = None,
+    variant: VariantOption = "well_posed",
+    max_tokens: MaxTokensOption = 2048,
+    sets: SharedSetsOption = None,
     bin_size: Annotated[int, typer.Option("--bin", help="Trace tokens per bin of the curves.")] = BIN,
     plot: Annotated[
         Path | None, typer.Option("--plot", help="Also draw KL / top-1 vs position here (PNG).")
@@ -96,10 +77,6 @@ def replay_command(
 ) -> None:
     """Teacher-force reasoning traces and measure each method's fidelity to the full cache:
     mean KL(full‖method), top-1 agreement and perplexity ratio, overall and by position."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from reasonkv.cli.main import CliError, console, err_console, fail, parse_sets, positive_ints, split_list
-
     try:
         method_names = split_list(methods, "--methods")
         budget_list = positive_ints(budgets, "--budgets", "tokens per KV head")
@@ -130,8 +107,7 @@ def replay_command(
     total = max(lengths) if batch else sum(lengths)
     results = []
     start = time.perf_counter()
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err_console) as progress:
+    with progress_bar() as progress:
         what = "trace columns" if batch else "positions"
         task = progress.add_task(f"replaying {len(inputs)} traces × {len(runs)} runs ({what})", total=total)
         advance = lambda k: progress.advance(task, k)  # noqa: E731
@@ -167,15 +143,12 @@ def replay_command(
         "block": BLOCK,
         "runs": [{"method": r.method, "budget": r.budget, "knobs": r.knobs} for r in runs],
         "wall_seconds": wall,
-        "command": "reasonkv replay " + " ".join(shlex.quote(str(a)) for a in parts),
+        "command": command_line("replay", parts),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "summary": summary,
         "per_trace": [r.to_dict(bin_size, per_position) for r in results],
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(out)  # atomic: an interrupted run never leaves half a file
+    write_json_atomic(record, out)
 
     table = Table(title=f"replay fidelity: {model_name}, {len(inputs)} traces, ≤{max_tokens} tokens")
     columns = ("method", "budget", "mean KL", "top-1", "ppl ratio", "tokens", "live/head", "seconds")

@@ -1,9 +1,4 @@
-"""`reasonkv sweep` and `reasonkv report`: run a grid into a resumable JSONL, then read it.
-
-Registered in reasonkv.cli.main as `app.command("sweep")(sweep_command)` and
-`app.command("report")(report_command)`. reasonkv.cli.main is imported inside the functions,
-so cli.py may import this module at any point without a cycle.
-"""
+"""`reasonkv sweep` and `reasonkv report`: run a grid into a resumable JSONL, then read it."""
 
 from __future__ import annotations
 
@@ -12,7 +7,16 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
+from reasonkv.cli.common import console, err_console, fail
 from reasonkv.harness.report import load_records, rich_table, summarize_results, write_report
 from reasonkv.harness.sweep import GridError, SweepPlan, load_grid, plan, read_results, run_sweep
 
@@ -49,17 +53,6 @@ def sweep_command(
 ) -> None:
     """Run a grid of models × methods × budgets × datasets × seeds, one JSON line per unit.
     Interrupted (Ctrl-C, kill -9)? Run the same command again: it resumes where it stopped."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    from reasonkv.cli.main import console, err_console, fail
-
     try:
         if workers < 1:
             raise GridError(f"--workers must be at least 1, got {workers}")
@@ -157,8 +150,6 @@ def report_command(
     ] = None,
 ) -> None:
     """Tables (method × budget) and plots (fidelity or accuracy vs budget) of a sweep's results."""
-    from reasonkv.cli.main import console, fail
-
     missing = [str(p) for p in results if not p.is_file()]
     if missing:
         fail(f"no results file at {', '.join(missing)}")

@@ -1,0 +1,153 @@
+"""What every `reasonkv` command shares: the consoles, the one-line user error, list and
+`--set` parsing, and the option declarations that several commands repeat.
+
+A user error (unknown method or knob, bad budget, missing model) ends as one red line on
+stderr and exit code 2, never a traceback: commands raise `CliError` (or a library
+ValueError) before any slow work and hand the message to `fail`.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import typing
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from reasonkv.harness.replay import ReplayRun
+from reasonkv.methods.knobs import knobs_for_methods
+from reasonkv.methods.registry import get_method
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+USAGE_ERROR = 2
+MODEL_HELP = "Bundled name (smollm2-135m), local directory or .gguf file, or Hugging Face id."
+
+# Options that several commands declare the same way (the default stays with each command).
+ModelOption = Annotated[str, typer.Option("--model", help=MODEL_HELP)]
+MethodOption = Annotated[str, typer.Option("--method", "-m", help="A name from `reasonkv methods`.")]
+BudgetOption = Annotated[int, typer.Option("--budget", "-b", help="Tokens kept per KV head.")]
+BudgetsOption = Annotated[str, typer.Option("--budgets", "-b", help="Comma-separated tokens per KV head.")]
+AttnOption = Annotated[str, typer.Option(help="Attention backend: sdpa or eager.")]
+MethodSetsOption = Annotated[
+    list[str] | None, typer.Option("--set", "-s", help="Method parameter key=value (repeatable).")
+]
+SharedSetsOption = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="key=value for every method that has the knob (repeatable)."),
+]
+TracesOption = Annotated[Path, typer.Option("--traces", help="jsonl with id, problem, trace.")]
+VariantOption = Annotated[
+    str, typer.Option("--variant", help="Keep rows of this `variant` ('all' = every row).")
+]
+MaxTokensOption = Annotated[int, typer.Option("--max-tokens", help="Truncate prompt + trace to this.")]
+TraceLimitOption = Annotated[int | None, typer.Option("--limit", help="Use the first N traces.")]
+ResultsOutOption = Annotated[Path, typer.Option("--out", help="Where to write the results JSON.")]
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+def fail(message: str) -> typing.NoReturn:
+    err_console.print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True)
+    raise typer.Exit(USAGE_ERROR)
+
+
+def check_attn(attn: str) -> None:
+    if attn not in ("sdpa", "eager"):
+        raise CliError(f"--attn must be sdpa or eager, got {attn!r}")
+
+
+# ------------------------------------------------------------------ lists
+def split_list(text: str, option: str) -> list[str]:
+    """'a, b,,c' -> ['a', 'b', 'c']; an empty list is an error naming the option."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise CliError(f"{option} takes a comma-separated list, got {text!r}")
+    return items
+
+
+def positive_ints(text: str, option: str, what: str) -> list[int]:
+    """'64,128,64' -> [64, 128] (first occurrence order); anything but positive integers is an
+    error naming the option and what the numbers count (`what`)."""
+    values = []
+    for item in split_list(text, option):
+        try:
+            value = int(item)
+        except ValueError:
+            raise CliError(f"{option} takes positive integers ({what}), got {item!r}") from None
+        if value <= 0:
+            raise CliError(f"{option} takes positive integers ({what}), got {value}")
+        values.append(value)
+    return list(dict.fromkeys(values))
+
+
+# ------------------------------------------------------------------ knobs
+def parse_value(text: str) -> object:
+    """Auto-type a `--set` value: true/false -> bool, none -> None, then int, float, str."""
+    low = text.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_sets(items: list[str] | None) -> dict[str, object]:
+    """['window=16', 'pooling=avg'] -> {'window': 16, 'pooling': 'avg'} (later items win)."""
+    out: dict[str, object] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise CliError(f"--set takes key=value, got {item!r}")
+        out[key] = parse_value(value)
+    return out
+
+
+def build_runs(methods: list[str], budgets: list[int], knobs: dict[str, object]) -> list[ReplayRun]:
+    """Every (method, budget), `full` once. A --set knob goes to every method that has it; a
+    knob that none of the methods knows is an error (a typo would otherwise be ignored)."""
+    own_knobs = knobs_for_methods(methods, knobs)
+    runs = []
+    for name, own in own_knobs.items():
+        if not get_method(name).compresses:
+            runs.append(ReplayRun(name, None, own))
+            continue
+        runs += [ReplayRun(name, b, own) for b in budgets]
+    return runs
+
+
+# ----------------------------------------------------------------- output
+def progress_bar(transient: bool = False) -> Progress:
+    """A progress bar on stderr, so stdout holds only the results."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    return Progress(*columns, console=err_console, transient=transient)
+
+
+def command_line(command: str, parts: list[object]) -> str:
+    """The shell command that reruns `command` with these options, for the saved record. Built
+    from the parsed options, not sys.argv, which is not ours when the app is invoked from Python."""
+    return f"reasonkv {command} " + " ".join(shlex.quote(str(a)) for a in parts)
+
+
+def write_json_atomic(record: dict, out: Path) -> None:
+    """Write through a temporary file, so an interrupted run never leaves half a file."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(out)

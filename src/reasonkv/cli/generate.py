@@ -1,0 +1,172 @@
+"""`reasonkv methods`, `generate` and `demo`: list the methods, generate under a KV budget,
+and compare methods on one problem."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from reasonkv.cli.common import (
+    AttnOption,
+    BudgetOption,
+    CliError,
+    MethodOption,
+    MethodSetsOption,
+    ModelOption,
+    check_attn,
+    console,
+    err_console,
+    fail,
+    parse_sets,
+)
+from reasonkv.core.models import DEFAULT_MODEL, load_model
+from reasonkv.harness.demo import memory_summary, run_demo
+from reasonkv.harness.runs import run_record, save_run
+from reasonkv.methods.api import generate as generate_text
+from reasonkv.methods.api import make_cache
+from reasonkv.methods.knobs import check_knobs
+from reasonkv.methods.registry import METHODS, PROTECTION_KNOBS, MethodSpec, get_method
+from reasonkv.util.formatting import format_bytes
+from reasonkv.util.runtime import quiet_loading, set_threads
+
+
+def describe_schedule(spec: MethodSpec) -> str:
+    """The schedule with this method's defaults, e.g. 'buffer(every 128)'."""
+    sched = spec.schedule
+    if isinstance(sched, type):
+        names = {f.name for f in dataclasses.fields(sched) if f.init and f.name != "name"}
+        sched = sched(**{k: v for k, v in spec.knobs().items() if k in names})
+    return sched.describe()
+
+
+def format_knobs(spec: MethodSpec) -> str:
+    return " ".join(f"{k}={v}" for k, v in spec.knobs().items())
+
+
+def methods_markdown() -> str:
+    """The method table as Markdown (the README's table is this output)."""
+    rows = ["| method | what it does | schedule | default knobs | paper |", "|---|---|---|---|---|"]
+    for name, spec in METHODS.items():
+        knobs = f"`{format_knobs(spec)}`"
+        cells = [f"`{name}`", spec.description, describe_schedule(spec), knobs, spec.paper]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows)
+
+
+def methods_command(
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print a Markdown table instead.")] = False,
+) -> None:
+    """List every registered KV-cache method with its schedule and default parameters."""
+    if markdown:
+        typer.echo(methods_markdown())
+        return
+    narrow = console.width < 110  # fold the paper into the description rather than squeeze 5 columns
+    table = Table(title="reasonkv methods", show_lines=True, expand=True)
+    longest = max((len(n) for n in METHODS), default=4)
+    table.add_column("name", style="bold cyan", no_wrap=True, min_width=longest)
+    table.add_column("description" + (" / paper" if narrow else ""), ratio=3)
+    table.add_column("schedule", min_width=12, max_width=14 if narrow else 22)
+    table.add_column("default knobs (--set key=value)", ratio=2, overflow="fold")
+    if not narrow:
+        table.add_column("paper", ratio=2)
+    for name, spec in METHODS.items():
+        # Registry text is plain: escape it so a "[...]" in a description is not read as markup.
+        desc, paper = escape(spec.description), escape(spec.paper)
+        row = [escape(name), desc, escape(describe_schedule(spec)), escape(format_knobs(spec))]
+        if narrow:
+            row[1] = desc if spec.paper == "-" else f"{desc}\n[dim]{paper}[/dim]"
+        else:
+            row.append(paper)
+        table.add_row(*row)
+    console.print(table)
+    protect = ", ".join(f"{k}: {v}" for k, v in PROTECTION_KNOBS.items())
+    console.print(f"Every compressing method also takes the protection knobs ({protect}).", markup=False)
+
+
+def generate_command(
+    prompt: Annotated[str, typer.Argument(help="The user message (wrapped in the chat template).")],
+    method: MethodOption = "snapkv",
+    budget: BudgetOption = 128,
+    model_name: ModelOption = DEFAULT_MODEL,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 256,
+    sample: Annotated[bool, typer.Option("--sample/--greedy", help="Sample, or decode greedily.")] = False,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (with --sample).")] = 0.6,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (with --sample).")] = 0.95,
+    seed: Annotated[int | None, typer.Option(help="Seed torch's RNG (sampling).")] = None,
+    attn: AttnOption = "sdpa",
+    chat: Annotated[bool, typer.Option("--chat/--raw", help="Apply the chat template.")] = True,
+    sets: MethodSetsOption = None,
+    record: Annotated[
+        Path | None, typer.Option("--record", help="Save the run (compression events) as JSON here.")
+    ] = None,
+    profile: Annotated[
+        Path | None, typer.Option("--profile", help="Reasoning Wave profile for reasonalloc-* methods.")
+    ] = None,
+) -> None:
+    """Generate a reply with a compressed KV cache and report what the cache holds."""
+    try:
+        spec = get_method(method)
+        knobs = check_knobs(spec, parse_sets(sets))
+        if profile is not None:
+            if "profile" not in spec.knobs():
+                raise CliError(f"--profile is for profile-driven methods (reasonalloc-*), not {method!r}")
+            if not profile.exists():
+                raise CliError(f"no profile at {profile}")
+            knobs["profile"] = str(profile)
+        if spec.compresses and budget <= 0:
+            raise CliError(f"budget must be a positive number of tokens per KV head, got {budget}")
+        check_attn(attn)
+        if max_new_tokens <= 0:
+            raise CliError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+        set_threads()
+        with err_console.status(f"loading {model_name}…"), quiet_loading():
+            model, tokenizer = load_model(model_name, attn_implementation=attn)
+        cache = make_cache(model, method, budget, **knobs)
+    except (CliError, ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    gen_kwargs: dict[str, object] = {"max_new_tokens": max_new_tokens, "do_sample": sample}
+    if sample:
+        gen_kwargs.update(temperature=temperature, top_p=top_p)
+    else:  # silence "temperature is set but do_sample=False" from the model's generation config
+        gen_kwargs.update(temperature=None, top_p=None, top_k=None)
+    start = time.perf_counter()
+    with err_console.status(f"generating with {method} (budget {budget})…"):
+        texts, new_tokens = generate_text(model, tokenizer, prompt, cache=cache, chat=chat, **gen_kwargs)
+    elapsed = time.perf_counter() - start
+    typer.echo(texts[0])
+    mem = memory_summary(cache)
+    n_new = int(new_tokens.shape[1])
+    console.print(
+        f"[dim]{method} budget={budget if spec.compresses else '-'}: {n_new} new tokens, "
+        f"{n_new / max(elapsed, 1e-9):.1f} tok/s | KV {format_bytes(mem['kv_bytes'])} "
+        f"(physical {format_bytes(mem['physical_bytes'])}) | mean live tokens/head {mem['live_mean']:.1f} | "
+        f"seen {mem['seen_tokens']} | compressions/layer {mem['compressions']:g}[/dim]",
+        soft_wrap=True,
+    )
+    if record is not None:
+        meta = {"model": model_name, "budget": budget, "knobs": knobs, "prompt": prompt, "new_tokens": n_new}
+        save_run(run_record(cache, **meta), record)
+        console.print(f"[dim]run saved to {record} (plot it: reasonkv plot budgets {record})[/dim]")
+
+
+def demo_command(
+    model_name: ModelOption = DEFAULT_MODEL,
+    budget: Annotated[int, typer.Option("--budget", "-b")] = 128,
+    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", "-n")] = None,
+) -> None:
+    """Full cache vs SnapKV vs StreamingLLM on one math problem: tokens, speed, memory, divergence."""
+    kwargs = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+    try:
+        run_demo(model=model_name, budget=budget, **kwargs)
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
