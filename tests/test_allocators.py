@@ -10,7 +10,7 @@ import torch
 
 from conftest import HEAD_DIM, dynamic_cache, greedy_loop, left_pad, random_prompt, tiny_model
 from reasonkv import make_cache
-from reasonkv.core.policy import EMPTY, Observation, protected_mask
+from reasonkv.core.policy import EMPTY, Observation, SplitRequest, protected_mask
 from reasonkv.core.policy.allocators import AdaKVHeadAllocator, PyramidAllocator
 from reasonkv.core.policy.allocators.pyramid import pyramid_layer_budgets
 
@@ -92,7 +92,7 @@ def test_adakv_without_floor_keeps_the_global_topk_counts(seed: int) -> None:
     obs, scores = random_case(seed)
     split = AdaKVHeadAllocator(floor_alpha=0.0, n_sink=1, n_recent=3)
     total = torch.tensor([27, 21])
-    keep = split.split(total, obs, scores, obs.key_valid.sum(-1))
+    keep = split.split(SplitRequest(total, obs, scores, obs.key_valid.sum(-1)))
     protected = protected_mask(obs.token_index, 1, 3).sum(-1)
     counts, prot = global_topk_reference(obs, scores, (total - protected.sum(-1)).tolist(), 1, 3)
     assert (keep - protected).tolist() == counts
@@ -109,7 +109,7 @@ def test_adakv_split_is_exact_floored_and_within_each_head(alpha: float) -> None
         g = torch.Generator().manual_seed(100 + seed)
         total = protected.sum(-1) + torch.randint(0, 40, (2,), generator=g)
         total = torch.minimum(total, n_valid.sum(-1))
-        keep = split.split(total, obs, scores, n_valid)
+        keep = split.split(SplitRequest(total, obs, scores, n_valid))
         pool = (total - protected.sum(-1)).tolist()
         counts, _ = global_topk_reference(obs, scores, pool, 2, 4)
         assert torch.equal(keep.sum(-1), total)  # exact per row
@@ -133,7 +133,7 @@ def test_adakv_a_short_head_passes_its_share_to_the_others() -> None:
     obs.token_index[0, 2] = torch.arange(20)  # heads 1 and 2: 17 candidates each, room for 14
     split = AdaKVHeadAllocator(floor_alpha=1.0, n_sink=1, n_recent=2)
     protected = protected_mask(obs.token_index, 1, 2).sum(-1)
-    keep = split.split(protected.sum(-1) + 30, obs, scores, obs.key_valid.sum(-1))
+    keep = split.split(SplitRequest(protected.sum(-1) + 30, obs, scores, obs.key_valid.sum(-1)))
     assert (keep - protected)[0].tolist() == [2, 14, 14]
 
 

@@ -21,10 +21,10 @@ from conftest import (
     tiny_model,
 )
 from reasonkv import make_cache
-from reasonkv.core.cache import CompressedLayer
 from reasonkv.core.policy import EMPTY, BeaconKVScorer, Observation, protected_mask, select_tokens
 from reasonkv.core.policy.rope import apply_rope, rerotate, unapply_rope
-from reasonkv.core.policy.scorers.beacon import DUPLICATE_EPS, add_points, farthest_point_sample
+from reasonkv.core.policy.scorers.beacon import DUPLICATE_EPS, BeaconState, add_points, farthest_point_sample
+from reasonkv.core.query_window import QueryWindow
 
 D = 16
 ROPES = {
@@ -198,7 +198,9 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window(upkeep_every
     scorer = BeaconKVScorer(beacon_max=10, beacon_min=4, recent=5, upkeep_every=upkeep_every)
     b, h, grp = 2, 2, 2
     gen = torch.Generator().manual_seed(5)
-    layer = SimpleNamespace(queries=None, query_index=None, query_positions=None, extras={})
+    window, group = QueryWindow(), [None]  # the layer's query window; this layer alone in its group
+    view = SimpleNamespace(shape=(b, h, D, torch.device("cpu")), window=window, scorer_states=group)
+    state = group[0] = scorer.new_state(view)
     refs = [[ReferenceBuffer(10, 4) for _ in range(h)] for _ in range(b)]
     history: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pre-RoPE [B, Hq, D], index [B]) per query
     pads = [0, 3]
@@ -221,13 +223,14 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window(upkeep_every
             query_positions=positions,
             rope_inv_freq=rotary.inv_freq,
             rope_attention_scaling=rotary.attention_scaling,
+            scorer_state=state,
         )
-        window_before = (layer.queries, layer.query_index, layer.query_positions)
-        scorer.on_step(step, torch.zeros(b, h, 1, D), layer)
-        window_after = (layer.queries, layer.query_index, layer.query_positions)
+        window_before = (window.queries, window.query_index, window.query_positions)
+        scorer.on_step(step, torch.zeros(b, h, 1, D))
+        window_after = (window.queries, window.query_index, window.query_positions)
         assert all(a is b_ for a, b_ in zip(window_after, window_before, strict=True))  # read, never trimmed
         keep = scorer.window + scorer.query_backlog
-        CompressedLayer.observe(layer, post, index, positions, keep)  # the cache's update
+        window.keep(post, index, positions, keep)  # the cache's update
         history += [(pre[:, :, i], index[:, i]) for i in range(q)]
         seen += q
         leaving = history[: len(history) - 5]
@@ -239,25 +242,25 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window(upkeep_every
                 for kv in range(h):
                     for g_ in range(grp):
                         refs[r][kv].add(vec[r, kv * grp + g_].tolist())
-        assert layer.queries.shape[2] == min(seen, keep)
-        assert torch.equal(layer.query_index[:, -5:], torch.stack([i for _, i in history], 1))
-        assert layer.extras["pending"] <= upkeep_every
+        assert window.queries.shape[2] == min(seen, keep)
+        assert torch.equal(window.query_index[:, -5:], torch.stack([i for _, i in history], 1))
+        assert state.pending <= upkeep_every
         if step_no % 3 != 2 and step_no != len(sizes) - 1:
             continue  # let the queue build up across steps before reading the buffers
-        scorer.flush(layer.extras, rotary.inv_freq, rotary.attention_scaling)
-        assert layer.extras["pending"] == 0
-        count = layer.extras["beacon_count"]
+        scorer.flush(state, rotary.inv_freq, rotary.attention_scaling)
+        assert state.pending == 0
+        count = state.count
         for r in range(b):
             for kv in range(h):
                 assert int(count[r, kv]) == len(refs[r][kv].points)
                 if refs[r][kv].points:
                     torch.testing.assert_close(
-                        layer.extras["beacons"][r, kv, : int(count[r, kv])],
+                        state.beacons[r, kv, : int(count[r, kv])],
                         torch.tensor(refs[r][kv].points),
                         atol=1e-4,
                         rtol=1e-4,
                     )
-    assert int(layer.extras["beacon_count"].max()) < 10
+    assert int(state.count.max()) < 10
 
 
 # ----------------------------------------------------------------------------- scorer
@@ -296,8 +299,8 @@ def reference_scores(obs: Observation, keys: torch.Tensor, aggregation: str) -> 
                         and obs.token_index[r, kv, j] <= obs.query_index[r, i]
                     ]
                     rows.append((q, allowed))
-            for m in range(int(obs.extras["beacon_count"][r, kv])):
-                beacon = obs.extras["beacons"][r, kv, m].tolist()
+            for m in range(int(obs.scorer_state.count[r, kv])):
+                beacon = obs.scorer_state.beacons[r, kv, m].tolist()
                 q = rope_by_hand(beacon, now, inv, obs.rope_attention_scaling)
                 rows.append((q, [j for j in range(t) if obs.token_index[r, kv, j] != EMPTY]))
             for q, allowed in rows:
@@ -336,10 +339,12 @@ def hand_made_case(seed: int = 6) -> tuple[Observation, torch.Tensor]:
         token_index=index,
         scaling=D**-0.5,
         query_positions=positions,
-        extras={
-            "beacons": torch.randn(b, h, m, D, generator=g) * 2,
-            "beacon_count": torch.tensor([[6, 0], [2, 5]]),
-        },
+        scorer_state=BeaconState(  # no group: scoring feeds nothing, the buffers are as given
+            beacons=torch.randn(b, h, m, D, generator=g) * 2,
+            count=torch.tensor([[6, 0], [2, 5]]),
+            window=QueryWindow(),
+            group=[],
+        ),
         rope_inv_freq=inv,
         rope_attention_scaling=1.2,
     )
@@ -368,7 +373,7 @@ def test_beacon_scores_and_kept_tokens_match_the_loop_reference(aggregation: str
 def test_beacons_change_the_choice_and_pooling_is_optional() -> None:
     obs, keys = hand_made_case()
     with_beacons = BeaconKVScorer(recent=4).score(obs, keys, keys)
-    obs.extras["beacon_count"] = torch.zeros(2, 2, dtype=torch.long)
+    obs.scorer_state.count = torch.zeros(2, 2, dtype=torch.long)
     recent_only = BeaconKVScorer(recent=4).score(obs, keys, keys)
     assert (with_beacons >= recent_only - 1e-7).all()  # max over a superset of points
     assert not torch.allclose(with_beacons[0, 0], recent_only[0, 0])
@@ -412,7 +417,7 @@ def test_beaconkv_without_eviction_equals_dynamic_cache() -> None:
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
     assert torch.equal(tokens, ref_tokens)
     assert cache.events == []
-    assert int(cache.layers[0].extras["beacon_count"].min()) > 0  # the buffers were kept all along
+    assert int(cache.layers[0].states.scorer.count.min()) > 0  # the buffers were kept all along
 
 
 def test_repeated_token_gives_one_beacon_per_query_head() -> None:
@@ -426,10 +431,10 @@ def test_repeated_token_gives_one_beacon_per_query_head() -> None:
         for _ in range(5):
             model(input_ids=torch.full((1, 1), 5), cache=cache)
     policy = cache.policy
-    policy.scorer.flush(cache.layers[0].extras, policy.rope_inv_freq, policy.rope_attention_scaling)
+    policy.scorer.flush(cache.layers[0].states.scorer, policy.rope_inv_freq, policy.rope_attention_scaling)
     # Identical tokens give identical values, so every layer sees one hidden state per token.
     for layer in cache.layers:
-        assert layer.extras["beacon_count"].tolist() == [[2, 2]]
+        assert layer.states.scorer.count.tolist() == [[2, 2]]
         # ... while the post-RoPE queries of those positions are all different directions.
         post = layer.queries[0, 0]  # [recent + backlog, D]
         unit = post / post.norm(dim=-1, keepdim=True)
@@ -452,7 +457,7 @@ def test_beaconkv_memory_stays_bounded_over_300_steps() -> None:
             for layer in cache.layers:
                 scorer = cache.policy.scorer  # the recent queries and the queued ones, nothing more
                 assert layer.queries.shape[2] <= scorer.window + scorer.query_backlog
-                assert int(layer.extras["beacon_count"].max()) < 32
+                assert int(layer.states.scorer.count.max()) < 32
     assert max(caps) <= budget
     assert max(physical[150:]) <= max(physical[:150])
     assert len(cache.events) >= 2 * (300 - 20) // 4 - 4  # each layer evicts 4 of 32 every 4 steps
@@ -477,9 +482,12 @@ def test_beaconkv_padded_batch_equals_rows_alone() -> None:
                 kept_a = [int(i) for i in la.token_index[0, h] if i != EMPTY]
                 assert kept_b == kept_a
             for c, lay in ((cache, lb), (alone_cache, la)):  # feed the queued queries in
-                c.policy.scorer.flush(lay.extras, c.policy.rope_inv_freq, c.policy.rope_attention_scaling)
-            assert torch.equal(lb.extras["beacon_count"][r], la.extras["beacon_count"][0])
-            torch.testing.assert_close(lb.extras["beacons"][r], la.extras["beacons"][0], atol=1e-4, rtol=1e-4)
+                c.policy.scorer.flush(
+                    lay.states.scorer, c.policy.rope_inv_freq, c.policy.rope_attention_scaling
+                )
+            sb, sa = lb.states.scorer, la.states.scorer
+            assert torch.equal(sb.count[r], sa.count[0])
+            torch.testing.assert_close(sb.beacons[r], sa.beacons[0], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("upkeep_every", [4, 32])
@@ -498,14 +506,14 @@ def test_all_layers_fed_in_one_pass_equal_each_layer_fed_alone(monkeypatch, upke
     grouped = make_cache(model, "beaconkv", 32, upkeep_every=upkeep_every)
     alone = make_cache(model, "beaconkv", 32, upkeep_every=upkeep_every)
     for layer in alone.layers:
-        layer.shared = {}
+        layer.scorer_states = [None] * (layer.layer_idx + 1)  # a group of its own
     passes: list[int] = []  # layers fed per pass
     feed = beacon.BeaconKVScorer._feed
 
     def spy(self, members, queues, *args):
         if members:
             passes.append(len(members))
-            assert all(m["pending"] <= 0 for m in members)  # taken off the queue (< 0: fed ahead)
+            assert all(m.pending <= 0 for m in members)  # taken off the queue (< 0: fed ahead)
         return feed(self, members, queues, *args)
 
     monkeypatch.setattr(beacon.BeaconKVScorer, "_feed", spy)
@@ -520,13 +528,14 @@ def test_all_layers_fed_in_one_pass_equal_each_layer_fed_alone(monkeypatch, upke
     assert set(passes_g[n_layers:]) == {n_layers}
     assert passes_g.count(n_layers) >= 2 and set(passes) == {1}
     for lay in grouped.layers:
-        assert lay.extras["pending"] <= upkeep_every
+        assert lay.states.scorer.pending <= upkeep_every
     assert len(grouped.events) > 20
     for lg, la in zip(grouped.layers, alone.layers, strict=True):
         assert torch.equal(lg.token_index, la.token_index)
     for c in (grouped, alone):
         for lay in c.layers:
-            c.policy.scorer.flush(lay.extras, c.policy.rope_inv_freq, c.policy.rope_attention_scaling)
+            c.policy.scorer.flush(lay.states.scorer, c.policy.rope_inv_freq, c.policy.rope_attention_scaling)
     for lg, la in zip(grouped.layers, alone.layers, strict=True):
-        assert torch.equal(lg.extras["beacon_count"], la.extras["beacon_count"])
-        torch.testing.assert_close(lg.extras["beacons"], la.extras["beacons"], atol=1e-5, rtol=1e-5)
+        sg, sa = lg.states.scorer, la.states.scorer
+        assert torch.equal(sg.count, sa.count)
+        torch.testing.assert_close(sg.beacons, sa.beacons, atol=1e-5, rtol=1e-5)

@@ -1,5 +1,5 @@
 """Beam search reorders the batch rows of the cache every step (`reorder_cache`); per-row
-scorer, schedule and allocator state in `layer.extras` must follow the rows, or a beam
+scorer, schedule and allocator state in `layer.states` must follow the rows, or a beam
 would evict by another beam's history."""
 
 from __future__ import annotations
@@ -30,19 +30,19 @@ def _feed(model, cache, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[list[
 
 
 def _row_state(cache) -> list[dict[str, torch.Tensor]]:
-    """Per layer, every per-row tensor a scorer, schedule or allocator keeps in `extras`
-    (directly or in a state object), beacon queues fed first."""
+    """Per layer, every per-row tensor the scorer, schedule or head allocator keeps in its
+    state, beacon queues fed first."""
     policy = cache.policy
     out = []
     for layer in cache.layers:
-        if "beacons" in layer.extras:
-            policy.scorer.flush(layer.extras, policy.rope_inv_freq, policy.rope_attention_scaling)
+        if hasattr(policy.scorer, "flush"):
+            policy.scorer.flush(layer.states.scorer, policy.rope_inv_freq, policy.rope_attention_scaling)
         found = {}
-        for key, value in layer.extras.items():
-            fields = vars(value).items() if hasattr(value, "__dataclass_fields__") else [("", value)]
-            for name, t in fields:
+        for part in ("scorer", "schedule", "head_allocator"):
+            state = getattr(layer.states, part)
+            for name, t in (vars(state) if state is not None else {}).items():
                 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == layer.keys.shape[0]:
-                    found[f"{key}.{name}"] = t
+                    found[f"{part}.{name}"] = t
         out.append(found)
     return out
 
@@ -54,7 +54,7 @@ def test_a_reordered_row_continues_exactly_like_the_row_it_copies(
     """Rows [p0, p1] (p0 shorter, left-padded) decode 40 tokens; then beam search's reorder
     makes the batch [p1, p1]. Fed the same 40 further tokens, both rows must behave exactly
     like p1 decoding alone all along: same logits, same kept tokens. Row 0 inherited p0's
-    beacons, prompt length, periodic counters and head utilities unless the extras moved."""
+    beacons, prompt length, periodic counters and head utilities unless the states moved."""
     model = tiny_model("qwen2", "sdpa", 2)
     ids, mask = left_pad([random_prompt(14, seed=70)[0], random_prompt(20, seed=71)[0]])
     first, then = random_prompt(40, seed=72, batch=2), random_prompt(40, seed=73)
@@ -94,5 +94,5 @@ def test_beam_search_with_eviction_keeps_state_per_beam() -> None:
     )
     assert out.shape == (1, 60) and len(cache.events) > 0
     for layer in cache.layers:
-        assert layer.extras["beacons"].shape[0] == layer.keys.shape[0] == 3
+        assert layer.states.scorer.beacons.shape[0] == layer.keys.shape[0] == 3
         assert layer.queries.shape[0] == 3  # the queue lives in the cache's query backlog

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,24 +13,7 @@ from method_helpers import assert_no_eviction_matches_stock, flat_llama, greedy,
 from reasonkv import make_cache
 from reasonkv.core.models import attention_modules
 from reasonkv.core.policy import EMPTY, H2OScorer, Observation, protected_mask, select_tokens
-from reasonkv.core.policy.schedules import EveryStep
 from reasonkv.core.policy.scorers import h2o as h2o_module
-
-
-# ----------------------------------------------------------------------------- helpers
-def fake_layer(previous: Observation, acc: torch.Tensor, t: int, budgets: list[int]) -> SimpleNamespace:
-    """The parts of a CompressedLayer that H2OScorer.on_step sees: the state, and the previous
-    query window (which on_step must neither use nor modify)."""
-    return SimpleNamespace(
-        used=t,
-        state={"h2o_acc": acc},
-        extras={},
-        queries=previous.queries,
-        query_index=previous.query_index,
-        query_positions=previous.query_index,
-        budgets=torch.tensor(budgets),
-        policy=SimpleNamespace(schedule=EveryStep()),
-    )
 
 
 # ------------------------------------------------------------------------------ scorer
@@ -55,20 +37,13 @@ def test_h2o_accumulation_and_scores_match_loop_reference(seed, chunk, monkeypat
         token_index=index,
         scaling=d**-0.5,
     )
-    previous = Observation(  # the cache's window from the forward before: one older query
-        queries=torch.randn(b_n, h_n * grp, 1, d, generator=g),
-        query_index=q_index[:, :1] - 1,
-        token_index=index,
-        scaling=d**-0.5,
-    )
     keys = torch.randn(b_n, h_n, t_n, d, generator=g)
     start = torch.rand(b_n, h_n, t_n, generator=g)
     acc = start.clone()
     scorer = H2OScorer(recent_ratio=0.5)
     assert scorer.window == 1  # H2O scores from its state; every query reaches on_step anyway
-    layer = fake_layer(previous, acc, t_n, budgets=[6, 7])
-    window_before = (layer.queries, layer.query_index, layer.query_positions)
-    scorer.on_step(obs, keys, layer)
+    obs.state = {"h2o_acc": acc}  # the cache's per-token state: on_step adds to it in place
+    scorer.on_step(obs, keys)
 
     ref = start.double().clone()
     for b in range(b_n):
@@ -88,13 +63,8 @@ def test_h2o_accumulation_and_scores_match_loop_reference(seed, chunk, monkeypat
                     for j in allowed:
                         ref[b, h, j] += math.exp(logit[j]) / z
     assert torch.allclose(acc.double(), ref, atol=1e-6)
-    # The window is the cache's business: on_step leaves it as it was (the cache trims it to 1).
-    window_after = (layer.queries, layer.query_index, layer.query_positions)
-    assert all(a is b for a, b in zip(window_after, window_before, strict=True))
-    assert layer.extras["h2o_recent"].tolist() == [3, 3]  # floor(0.5 * 6), floor(0.5 * 7)
 
-    obs.state = {"h2o_acc": acc}
-    obs.extras = layer.extras
+    obs.targets = torch.tensor([6, 7])  # every-step budgets 6 and 7: recent 3 and 3 (floor of half)
     scores = scorer.score(obs, keys, keys)
     keep = torch.tensor([[6, 7], [6, 7]])
     slots, new_len = select_tokens(scores, index, keep, protected_mask(index, 0, 0))
@@ -120,14 +90,13 @@ def test_h2o_scores_follow_the_kept_tokens_through_every_eviction():
     cache = make_cache(model, "h2o", budget=budget)
     g = model.config.num_attention_heads // model.config.num_key_value_heads
     at_attention: dict[int, torch.Tensor] = {}
-    original = cache.after_attention
+    for layer in cache.layers:
 
-    def spy(layer_idx, *args):
-        layer = cache.layers[layer_idx]
-        at_attention[layer_idx] = layer.token_index[:, :, : layer.used].clone()  # before eviction
-        original(layer_idx, *args)
+        def spy(*args, layer=layer, original=layer.after_attention):
+            at_attention[layer.layer_idx] = layer.token_index.clone()  # before eviction
+            original(*args)
 
-    cache.after_attention = spy
+        layer.after_attention = spy
     weights: dict[int, torch.Tensor] = {}
     hooks = [
         m.register_forward_hook(lambda mod, args, out, i=i: weights.__setitem__(i, out[1]))
@@ -147,7 +116,7 @@ def test_h2o_scores_follow_the_kept_tokens_through_every_eviction():
                         received[li][(b, h, int(idx[b, h, s]))] += float(
                             w[b, h * g : (h + 1) * g, :, s].sum()
                         )
-                    acc = layer.state["h2o_acc"]
+                    acc = layer.token_state["h2o_acc"]
                     for b, h, s in (layer.token_index[:, :, : layer.used] != EMPTY).nonzero().tolist():
                         tok = int(layer.token_index[b, h, s])
                         assert math.isclose(
@@ -197,7 +166,9 @@ def test_h2o_memory_stays_bounded_over_300_steps(model):
             assert int(mem["live_tokens"].max()) == budget
             for layer in cache.layers:
                 # budget 10 < 16: no holes (k = budget // 8 = 1), storage is exactly budget + 1
-                assert layer.keys.shape[2] <= budget + 1 and layer.state["h2o_acc"].shape[2] <= budget + 1
+                assert (
+                    layer.keys.shape[2] <= budget + 1 and layer.token_state["h2o_acc"].shape[2] <= budget + 1
+                )
                 assert layer.queries.shape[2] == 1
             physical.append(mem["physical_bytes"])
     assert max(physical[150:]) <= max(physical[:150])
@@ -219,5 +190,5 @@ def test_h2o_padded_batch_equals_rows_alone(model):
                 live = lb.token_index[r, h] != EMPTY
                 live_a = la.token_index[0, h] != EMPTY
                 assert torch.allclose(
-                    lb.state["h2o_acc"][r, h][live], la.state["h2o_acc"][0, h][live_a], atol=1e-5
+                    lb.token_state["h2o_acc"][r, h][live], la.token_state["h2o_acc"][0, h][live_a], atol=1e-5
                 )

@@ -15,15 +15,15 @@ def test_on_step_gets_this_forwards_queries_and_the_previous_window(monkeypatch)
     model = tiny_model("llama", "sdpa", 2)
     calls: list[tuple[list[list[int]], object, object]] = []
     original = H2OScorer.on_step
+    cache = reasonkv.make_cache(model, "h2o", 64)
 
-    def spy(self, step, keys, layer):
-        if layer.layer_idx == 0:
-            calls.append((step.query_index.tolist(), layer.query_index, step.queries.shape))
-        return original(self, step, keys, layer)
+    def spy(self, step, keys):
+        if step.layer_idx == 0:
+            calls.append((step.query_index.tolist(), cache.layers[0].window.query_index, step.queries.shape))
+        return original(self, step, keys)
 
     monkeypatch.setattr(H2OScorer, "on_step", spy)
     ids, mask = left_pad([random_prompt(3, seed=1)[0], random_prompt(5, seed=2)[0]])
-    cache = reasonkv.make_cache(model, "h2o", 64)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, cache=cache)
         for _ in range(2):

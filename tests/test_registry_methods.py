@@ -62,14 +62,9 @@ def test_no_eviction_equals_dynamic_cache(method: str, arch: str, attn: str, kv_
 
 def _layer_trigger_totals(cache) -> list[int] | None:
     """Per layer, the real tokens (summed over heads) at which a budget schedule compresses,
-    or None for stateful schedules that decide from the layer itself."""
-    schedule = cache.policy.schedule
-    if getattr(schedule, "rows_to_compress", None) is not None:
-        return None
-    triggers = [[schedule.trigger(int(b)) for b in layer_budgets] for layer_budgets in cache.budgets.tolist()]
-    if any(t is None for row in triggers for t in row):
-        return None
-    return [sum(row) for row in triggers]
+    or None for schedules with no fixed trigger (RPC's, which decides from its own counters)."""
+    totals = [layer.plan.trigger_total for layer in cache.layers]
+    return None if any(t is None for t in totals) else totals
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -79,7 +79,7 @@ def rpc_obs(seed: int) -> tuple[Observation, torch.Tensor, list[int]]:
         query_index=q_index,
         token_index=index,
         scaling=d**-0.5,
-        extras={"prompt_end": torch.tensor(prompt_end)},
+        prompt_end=torch.tensor(prompt_end),
     )
     return obs, torch.randn(b_n, h_n, t_n, d, generator=g), prompt_end
 

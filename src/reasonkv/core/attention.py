@@ -6,9 +6,9 @@ slots no longer line up with the logical 2-D attention mask that `generate()` ha
 so the stock masks would be wrong (a left pad could become attendable). Here:
 
 - the registered *mask* function passes the 2-D padding mask through untouched;
-- the attention function uses only its last q columns (are this step's tokens real?),
-  tells the cache, and builds the mask from the cache's `token_index`;
-- after attention it hands the queries to the cache, which may compress.
+- the attention function uses only its last q columns (are this step's tokens real?) and
+  hands them to the cache layer, which builds the mask from its own `token_index`;
+- after attention it hands the queries to the layer, which may compress.
 
 Two backends: "reasonkv_sdpa" (torch SDPA) and "reasonkv_eager" (explicit softmax, can
 return attention weights). Without a CompressedCache (no cache, or a DynamicCache) they
@@ -101,17 +101,10 @@ def _make_attention(kernel):
 
         cache.check_module(module)
         layer = cache.layers[module.layer_idx]
-        new_valid = _new_token_validity(attention_mask, q_len)
-        layer.mark_padding(new_valid)
-        query_index = torch.arange(layer.new_start, layer.seen, device=query.device).expand(
-            query.shape[0], -1
-        )
-        with cache.timer.section("mask"):
-            mask = layer.attention_mask(query_index)
-        fresh_prefill = mask is None and q_len == layer.used
-        out, weights = kernel(query, key, value, mask, scaling, is_causal=fresh_prefill and q_len > 1)
+        mask, causal = layer.before_attention(_new_token_validity(attention_mask, q_len))
+        out, weights = kernel(query, key, value, mask, scaling, is_causal=causal)
         del key, value  # the step's view of the storage; compression may replace it
-        cache.after_attention(module.layer_idx, query, new_valid, kwargs.get("position_ids"), scaling)
+        layer.after_attention(query, kwargs.get("position_ids"), scaling)
         return out.transpose(1, 2).contiguous(), weights
 
     return attention

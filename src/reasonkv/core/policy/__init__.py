@@ -1,6 +1,7 @@
-"""Token-importance policies (scorers) and the shared selection. Pure torch."""
+"""The policy math, pure torch: the contract, scorers, schedules, allocators and the shared selection."""
 
-from reasonkv.core.policy.base import EMPTY, Observation, Scorer
+from reasonkv.core.policy.base import EMPTY, Observation
+from reasonkv.core.policy.contract import HeadAllocator, LayerView, PolicyState, Scorer, SplitRequest
 from reasonkv.core.policy.scorers.beacon import BeaconKVScorer
 from reasonkv.core.policy.scorers.h2o import H2OScorer
 from reasonkv.core.policy.scorers.rkv import RKVScorer
@@ -14,11 +15,15 @@ __all__ = [
     "BeaconKVScorer",
     "EMPTY",
     "H2OScorer",
+    "HeadAllocator",
+    "LayerView",
     "Observation",
+    "PolicyState",
     "RKVScorer",
     "RPCScorer",
     "Scorer",
     "SnapKVScorer",
+    "SplitRequest",
     "StreamingScorer",
     "TOVAScorer",
     "protected_mask",

@@ -8,7 +8,7 @@ T = cache slots of the layer, D = head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,7 @@ EMPTY = torch.iinfo(torch.int64).max
 
 @dataclass
 class Observation:
-    """Everything a scorer may read about one layer at compression time."""
+    """Everything a scorer may read about one layer: the observed queries and the stored tokens."""
 
     queries: torch.Tensor
     """[B, H*G, W, D] the last W queries, post-RoPE, oldest first (in `on_step`'s step
@@ -35,11 +35,15 @@ class Observation:
     layer_idx: int = 0
     query_positions: torch.Tensor | None = None
     """[B, W] RoPE position of each observed query (differs from query_index under left padding)."""
-    extras: dict[str, object] = field(default_factory=dict)
-    """Scorer-specific per-layer objects (e.g. a beacon buffer), owned by the cache."""
     rope_inv_freq: torch.Tensor | None = None
     """[D/2] the model's RoPE inverse frequencies (scaling applied): rotate a query to any position."""
     rope_attention_scaling: float = 1.0
+    prompt_end: torch.Tensor | None = None
+    """[B] sequence index where generation starts (the prompt is everything before it)."""
+    targets: torch.Tensor | None = None
+    """[H] tokens each head keeps after a compression (the schedule's target for its budget)."""
+    scorer_state: object | None = None
+    """The scorer's own per-layer state (`Scorer.new_state`), or None."""
 
     @property
     def key_valid(self) -> torch.Tensor:
@@ -52,34 +56,6 @@ class Observation:
     @property
     def group_size(self) -> int:
         return self.queries.shape[1] // self.token_index.shape[1]
-
-
-@runtime_checkable
-class Scorer(Protocol):
-    """A token-importance policy: higher score = keep. It never decides how many tokens to keep.
-
-    Optional members the cache uses when present (not part of the protocol check):
-
-    - `state_names: tuple[str, ...]`: per-token state tensors the cache allocates ([B, H, capacity],
-      zero for new tokens) in `layer.state` and gathers along with the keys at every eviction.
-    - `on_step(step: Observation, keys [B, H, T, D], layer) -> None`: called once per forward of each
-      layer, after attention and before the query window is updated or anything is evicted.
-      `step` holds THIS forward's queries only, all of them whatever `window` is (queries
-      [B, H*G, q, D], query_index [B, q] with -1 for padding, query_positions [B, q]), plus the
-      layer's token_index/state/extras/RoPE data as in `score`. `layer.queries/query_index/
-      query_positions` still hold the previous window (None at the first forward); the hook may
-      update `layer.state[name]` (slots [:, :, :layer.used]) and `layer.extras`, but never the window.
-      A scorer that must see every query (H2O, BeaconKV) uses this, not a huge `window`.
-    - `query_backlog: int`: the cache also keeps this many queries older than the window in
-      `layer.queries` etc. (`score` never sees them), for `on_step` to read later instead of copying.
-    """
-
-    window: int
-    """How many recent queries the cache keeps for `score` (at least 1 is kept)."""
-
-    def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Return [B, H, T] scores for the keys [B, H, T, D]."""
-        ...
 
 
 def grouped_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:

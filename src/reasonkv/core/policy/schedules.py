@@ -15,10 +15,18 @@ from typing import ClassVar
 import torch
 
 from reasonkv.core.policy.base import EMPTY
+from reasonkv.core.policy.contract import BudgetPlan, LayerView, PolicyState
 
 
 @dataclass(frozen=True)
 class Schedule:
+    """Never compresses (the full cache); the base of every schedule.
+
+    A budget schedule only defines `trigger`, `target` and `hole_slots`; the hooks below follow
+    from them. A stateful schedule (RPC's) overrides the hooks and keeps its per-layer memory
+    in its own `PolicyState`.
+    """
+
     name: str = "never"
     evicts_every_step: ClassVar[bool] = False
     """True when the cache is full after every step (so a chunked replay goes token by token)."""
@@ -39,18 +47,48 @@ class Schedule:
     def describe(self) -> str:
         return self.name
 
-    def steps_until_compress(self, layer) -> int | None:
-        """The most tokens the layer can take in one forward without passing a compression
-        point (None = never compresses): a layer compresses when its real tokens summed over
-        heads reach sum_h trigger(b_h), and each token adds one per head, so it has
-        ceil((trigger_total - live) / H) tokens to go (the fewest over batch rows)."""
-        triggers = [self.trigger(int(b)) for b in layer.budgets.tolist()]
-        if triggers[0] is None:
+    def plan(self, budgets: list[int]) -> BudgetPlan:
+        """A layer's triggers, targets and hole slots for its head budgets (computed once)."""
+        triggers = [self.trigger(b) for b in budgets]
+        never = triggers[0] is None
+        return BudgetPlan(
+            triggers=None if never else tuple(triggers),
+            targets=tuple(self.target(b) for b in budgets),
+            hole_slots=0 if never else self.hole_slots(min(budgets)),
+        )
+
+    # --------------------------------------------------------- hooks of the cache
+    def new_state(self, view: LayerView) -> PolicyState | None:
+        return None
+
+    def rows_to_compress(self, view: LayerView, state: PolicyState | None) -> torch.Tensor | None:
+        """[B] bool: the rows whose real tokens (summed over heads) reached the trigger, or None."""
+        total = view.plan.trigger_total
+        if total is None or view.live_upper < total:  # a python bound: no device sync
             return None
-        if not layer.is_initialized:
+        rows = view.n_valid.sum(-1) >= total
+        return rows if bool(rows.any()) else None
+
+    def keep(self, view: LayerView, state: PolicyState | None) -> torch.Tensor:
+        """[B, H] tokens each head keeps when its row compresses."""
+        return view.targets.expand_as(view.n_valid)
+
+    def slack(self, view: LayerView, state: PolicyState | None) -> int | None:
+        """Tokens a head may gain after a compression before the next one (None = unbounded)."""
+        plan = view.plan
+        return None if plan.triggers is None else max(1, plan.trigger_max - min(plan.targets))
+
+    def steps_until_compress(self, view: LayerView, state: PolicyState | None) -> int | None:
+        """The most tokens the layer can take in one forward without passing a compression
+        point (None = never): each token adds one per head, so ceil((trigger_total - live) / H)
+        tokens to go, the fewest over batch rows."""
+        total = view.plan.trigger_total
+        if total is None:
+            return None
+        if view.n_valid is None:  # before the layer's first forward
             return 1
-        to_go = sum(triggers) - layer.n_valid.sum(-1)  # [B]
-        heads = layer.n_valid.shape[1]
+        heads = view.n_valid.shape[1]
+        to_go = total - view.n_valid.sum(-1)  # [B]
         return max(1, int(((to_go + heads - 1) // heads).min()))
 
 
@@ -118,18 +156,22 @@ NEVER = Schedule()
 
 
 @dataclass
-class _PeriodicState:
-    """Per-layer bookkeeping of PeriodicRatio (lives in `layer.extras`, never in the schedule,
-    which all layers share)."""
+class PeriodicState(PolicyState):
+    """One layer's RPC counters, per batch row (rows may be at different compression counts)."""
 
     period: int  # P
-    per_period: int  # T = P / c
+    per_period: int  # P/c
     prompt: torch.Tensor  # [B] real prompt tokens per row (never evicted: protect_prompt)
     done: torch.Tensor  # [B] compressions so far per row (m)
-    seen: int  # layer.seen at the last check
+    seen: int  # tokens seen at the last check
     gen_upper: int  # python upper bound of max_b generated tokens held, to skip the check cheaply
     min_done: int = 0
     rows: torch.Tensor | None = None  # [B] bool: the rows firing now
+    ROW_FIELDS = ("prompt", "done", "rows")
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        self.min_done = int(self.done.min())  # gen_upper, a max over rows, stays an upper bound
 
 
 @dataclass(frozen=True)
@@ -145,15 +187,12 @@ class PeriodicRatio(Schedule):
     budget = P/c, the tokens retained per period; P = budget·ratio unless `interval` is set,
     in which case P = interval and P/c = interval // ratio (the budget then only needs to be
     positive). One P per layer (its largest head budget). Counts assume the prompt is kept
-    (protect_prompt, the rpc default); per-row state lives in `layer.extras`, so rows may be
-    at different compression counts, and follows the rows when beam search reorders them.
+    (protect_prompt, the rpc default).
     """
 
     name: str = "periodic"
     interval: int | None = None
     ratio: float = 4.0
-
-    _KEY = "periodic_ratio"
 
     def period(self, budget: int) -> tuple[int, int]:
         """(P, P/c) for a head budget."""
@@ -167,9 +206,6 @@ class PeriodicRatio(Schedule):
             )
         return p, t
 
-    def trigger(self, budget: int) -> None:
-        return None  # no fixed size: rows_to_compress decides from the layer
-
     def target(self, budget: int) -> int:
         # Only make_cache's check reads this (keep() sizes the cache): the prompt and the recent
         # window are kept on top of the selected tokens, so no budget is below the protected set.
@@ -180,61 +216,43 @@ class PeriodicRatio(Schedule):
         p = "budget·ratio" if self.interval is None else str(self.interval)
         return f"periodic(every P={p} tokens keep P/{self.ratio:g})"
 
-    def select_rows(self, extras: dict, rows: torch.Tensor) -> None:
-        st = extras.get(self._KEY)
-        if st is None:
-            return
-        st.prompt, st.done = st.prompt.index_select(0, rows), st.done.index_select(0, rows)
-        st.rows = None if st.rows is None else st.rows.index_select(0, rows)
-        st.min_done = int(st.done.min())  # gen_upper, a max over rows, stays an upper bound
+    def new_state(self, view: LayerView) -> PeriodicState:
+        p, t = self.period(int(view.budgets.max()))
+        index = view.token_index
+        prompt_end = view.window.prompt_end
+        prompt = ((index < prompt_end[:, None, None]) & (index != EMPTY)).sum(-1).amax(-1)
+        gen = view.n_valid.amax(-1) - prompt
+        return PeriodicState(p, t, prompt, torch.zeros_like(prompt), view.seen, int(gen.max()))
 
-    def _state(self, layer) -> _PeriodicState:
-        st = layer.extras.get(self._KEY)
-        if st is None:
-            p, t = self.period(int(layer.budgets.max()))
-            index = layer.token_index[:, :, : layer.used]
-            prompt = ((index < layer.prompt_end[:, None, None]) & (index != EMPTY)).sum(-1).amax(-1)
-            gen = layer.n_valid.amax(-1) - prompt
-            st = _PeriodicState(p, t, prompt, torch.zeros_like(prompt), layer.seen, int(gen.max()))
-            layer.extras[self._KEY] = st
-        elif st.prompt.shape[0] != layer.n_valid.shape[0]:
+    def rows_to_compress(self, view: LayerView, state: PeriodicState) -> torch.Tensor | None:
+        if state.prompt.shape[0] != view.n_valid.shape[0]:
             raise RuntimeError("periodic schedule: the batch changed size mid-generation; start a new cache")
-        return st
-
-    def rows_to_compress(self, layer) -> torch.Tensor | None:
-        st = self._state(layer)
-        st.gen_upper += layer.seen - st.seen
-        st.seen = layer.seen
-        recent = layer.policy.n_recent
-        if st.gen_upper < st.min_done * st.per_period + recent + st.period:
+        state.gen_upper += view.seen - state.seen
+        state.seen = view.seen
+        if state.gen_upper < state.min_done * state.per_period + view.n_recent + state.period:
             return None
-        gen = layer.n_valid.amax(-1) - st.prompt
-        st.rows = gen >= st.done * st.per_period + recent + st.period
-        return st.rows if bool(st.rows.any()) else None
+        gen = view.n_valid.amax(-1) - state.prompt
+        state.rows = gen >= state.done * state.per_period + view.n_recent + state.period
+        return state.rows if bool(state.rows.any()) else None
 
-    def keep(self, layer) -> torch.Tensor:
-        st = self._state(layer)
-        recent = layer.policy.n_recent
-        st.done = st.done + st.rows.long()
-        kept_gen = st.done * st.per_period + recent
-        gen = layer.n_valid.amax(-1) - st.prompt
-        st.gen_upper = int(gen.where(~st.rows, kept_gen).max())
-        st.min_done = int(st.done.min())
-        return (st.prompt + kept_gen)[:, None].expand_as(layer.n_valid)
+    def keep(self, view: LayerView, state: PeriodicState) -> torch.Tensor:
+        state.done = state.done + state.rows.long()
+        kept_gen = state.done * state.per_period + view.n_recent
+        gen = view.n_valid.amax(-1) - state.prompt
+        state.gen_upper = int(gen.where(~state.rows, kept_gen).max())
+        state.min_done = int(state.done.min())
+        return (state.prompt + kept_gen)[:, None].expand_as(view.n_valid)
 
-    def steps_until_compress(self, layer) -> int:
-        """Generated tokens until `done·P/c + R + P` (the fewest over rows); 1 before the
-        layer's state exists."""
-        st = layer.extras.get(self._KEY) if layer.is_initialized else None
-        if st is None:
-            return 1
-        gen = layer.n_valid.amax(-1) - st.prompt  # [B] generated tokens held (the largest head)
-        threshold = st.done * st.per_period + layer.policy.n_recent + st.period
-        return max(1, int((threshold - gen).min()))
-
-    def slack(self, layer) -> int:
+    def slack(self, view: LayerView, state: PeriodicState | None) -> int:
         """Tokens a head gains before the next compression: P + R before the first one, then P."""
-        st = layer.extras.get(self._KEY)
-        if st is None:
-            return self.period(int(layer.budgets.max()))[0] + layer.policy.n_recent
-        return st.period + (layer.policy.n_recent if st.min_done == 0 else 0)
+        if state is None:
+            return self.period(int(view.budgets.max()))[0] + view.n_recent
+        return state.period + (view.n_recent if state.min_done == 0 else 0)
+
+    def steps_until_compress(self, view: LayerView, state: PeriodicState | None) -> int:
+        """Generated tokens until `done·P/c + R + P` (the fewest over rows); 1 before the state exists."""
+        if state is None:
+            return 1
+        gen = view.n_valid.amax(-1) - state.prompt  # [B] generated tokens held (the largest head)
+        threshold = state.done * state.per_period + view.n_recent + state.period
+        return max(1, int((threshold - gen).min()))

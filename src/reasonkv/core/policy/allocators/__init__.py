@@ -2,6 +2,7 @@
 
 from reasonkv.core.policy.allocators.adakv import AdaKVHeadAllocator
 from reasonkv.core.policy.allocators.pyramid import PyramidAllocator
-from reasonkv.core.policy.allocators.uniform import Allocator, UniformAllocator
+from reasonkv.core.policy.allocators.uniform import UniformAllocator
+from reasonkv.core.policy.contract import Allocator
 
 __all__ = ["AdaKVHeadAllocator", "Allocator", "PyramidAllocator", "UniformAllocator"]

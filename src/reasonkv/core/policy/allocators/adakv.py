@@ -16,24 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv.core.policy.allocators.pyramid import largest_remainder
-from reasonkv.core.policy.base import Observation
+from reasonkv.core.policy.contract import HeadAllocator, PolicyState, SplitRequest
+from reasonkv.core.policy.rounding import fill_to_caps, largest_remainder
 from reasonkv.core.policy.selection import protected_mask
-
-
-def _fill_to_caps(share: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
-    """Clip real shares [B, H] at cap and hand the excess to heads below their cap, in
-    proportion to their shares (water-filling; the row sums are unchanged when caps allow)."""
-    cap = cap.to(share.dtype)
-    for _ in range(share.shape[-1]):
-        excess = (share - cap).clamp(min=0).sum(-1, keepdim=True)
-        share = torch.minimum(share, cap)
-        room = share < cap
-        if not bool((excess > 1e-9).any()):
-            break
-        weight = torch.where(room, share.clamp(min=1e-9), torch.zeros_like(share))
-        share = share + weight / weight.sum(-1, keepdim=True).clamp(min=1e-12) * excess
-    return torch.minimum(share, cap)
 
 
 def _fix_integer_sum(
@@ -54,8 +39,8 @@ def _fix_integer_sum(
 
 
 @dataclass
-class AdaKVHeadAllocator:
-    """`split(layer_total, obs, scores, n_valid) -> keep [B, H]` for LayerPolicy.head_allocator.
+class AdaKVHeadAllocator(HeadAllocator):
+    """A layer's heads share one pool, filled by the global top scores (see the module doc).
 
     n_sink / n_recent / protect_prompt are the method's protection knobs (make_cache passes the
     same values the cache uses), so the allocator knows what each head keeps regardless.
@@ -74,23 +59,15 @@ class AdaKVHeadAllocator:
                 "the AdaKV head split does not support protect_prompt (it cannot see the prompt end)"
             )
 
-    def split(
-        self,
-        layer_total: torch.Tensor,
-        obs: Observation,
-        scores: torch.Tensor,
-        n_valid: torch.Tensor,
-        keys: torch.Tensor | None = None,
-        min_tokens: int = 0,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def split(self, request: SplitRequest, state: PolicyState | None = None) -> torch.Tensor:
+        obs, scores = request.obs, request.scores
         b, h, t = scores.shape
         valid = obs.key_valid
         protected = protected_mask(obs.token_index, self.n_sink, self.n_recent)
         n_protected = protected.sum(-1)  # [B, H]
         candidates = valid & ~protected
         cap = candidates.sum(-1)  # what each head can give beyond its protected tokens
-        total = layer_total.long().to(scores.device)
+        total = request.layer_total.long().to(scores.device)
         pool = torch.minimum((total - n_protected.sum(-1)).clamp(min=0), cap.sum(-1))  # [B]
 
         # 1. global top-`pool` over the row's heads (ties: lower head, older slot; only counts matter)
@@ -102,6 +79,6 @@ class AdaKVHeadAllocator:
 
         # 2. floor, then 3. exact integers within the caps
         share = n_h.double() * (1 - self.floor_alpha) + self.floor_alpha * pool.double()[:, None] / h
-        share = _fill_to_caps(share, cap)
+        share = fill_to_caps(share, cap, tolerance=1e-9)
         out = _fix_integer_sum(largest_remainder(share, pool), pool, cap, share)
         return n_protected + out

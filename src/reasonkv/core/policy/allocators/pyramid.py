@@ -14,17 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-
-def largest_remainder(shares: torch.Tensor, total: torch.Tensor | int) -> torch.Tensor:
-    """Round non-negative shares [..., n] to integers with sum `total` [...] exactly:
-    floor all, then one more unit to the largest fractional parts (ties: lower index)."""
-    base = shares.floor().long()
-    missing = torch.as_tensor(total, device=shares.device).long() - base.sum(-1)
-    order = torch.sort(shares - base, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(shares.shape[-1], device=shares.device).expand_as(order).contiguous()
-    )
-    return base + (rank < missing[..., None]).long()
+from reasonkv.core.policy.contract import Allocator
+from reasonkv.core.policy.rounding import largest_remainder
 
 
 def pyramid_layer_budgets(n_layers: int, budget: int, beta: float = 20.0, window: int = 8) -> torch.Tensor:
@@ -40,7 +31,7 @@ def pyramid_layer_budgets(n_layers: int, budget: int, beta: float = 20.0, window
 
 
 @dataclass
-class PyramidAllocator:
+class PyramidAllocator(Allocator):
     """PyramidKV layer budgets, the same for every head of a layer.
 
     `window` is PyramidKV's w (C' = C − w); it has the same name as the scorer's observation

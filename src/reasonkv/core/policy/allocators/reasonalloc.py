@@ -1,4 +1,4 @@
-"""ReasonAlloc budget arithmetic (arXiv 2606.11164; spec in shared/seeds/000): pure torch.
+"""ReasonAlloc budget arithmetic (arXiv 2606.11164): pure torch.
 
 Two levels, both with exact integer totals:
 - layers: B_l ∝ demand_l^(1/τ), clipped to [lo, hi] and water-filled so Σ_l B_l = L·B
@@ -17,49 +17,8 @@ from typing import Literal
 import torch
 
 from reasonkv.core.policy.base import Observation, candidate_mask, grouped_logits, masked_softmax
-
-
-def largest_remainder(shares: torch.Tensor, total: torch.Tensor | int) -> torch.Tensor:
-    """Round non-negative real `shares` [..., n] to integers summing exactly to `total` [...]:
-    floor everything, then give the missing units to the largest fractional parts
-    (ties to the lower index)."""
-    total = torch.as_tensor(total, device=shares.device).long()
-    base = shares.floor().long()
-    missing = total - base.sum(-1)  # [...]
-    frac = shares - base
-    order = torch.sort(frac, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(shares.shape[-1], device=shares.device).expand_as(order).contiguous()
-    )
-    return base + (rank < missing[..., None]).long()
-
-
-def water_fill(weights: torch.Tensor, total: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-    """Integers proportional to `weights` [n] within [lo, hi] that sum exactly to `total`.
-
-    Clipped entries are fixed at their bound and the rest is shared again among the free
-    ones, until nothing violates a bound (at most n rounds).
-    """
-    n = weights.numel()
-    hi_v = float("inf") if hi is None else hi
-    if total < n * lo or total > n * hi_v:
-        raise ValueError(f"cannot split {total} into {n} parts within [{lo}, {hi}]")
-    w = weights.double().clamp(min=0)
-    fixed = torch.full((n,), float("nan"), dtype=torch.float64)
-    for _ in range(n + 1):
-        free = fixed.isnan()
-        left = total - fixed[~free].sum()
-        wf = w[free]
-        share = wf / wf.sum() * left if wf.sum() > 0 else torch.full_like(wf, left / free.sum())
-        values = fixed.clone()
-        values[free] = share
-        low, high = free & (values < lo), free & (values > hi_v)
-        if not (low.any() or high.any()):
-            break
-        fixed[low], fixed[high] = lo, hi_v
-    out = largest_remainder(values, total)
-    # Rounding can push a share that sat exactly on a bound by one unit; move it back.
-    return out.clamp(min=lo) if hi is None else out.clamp(lo, hi)
+from reasonkv.core.policy.contract import Allocator, HeadAllocator, LayerView, PolicyState, SplitRequest
+from reasonkv.core.policy.rounding import fill_to_caps, largest_remainder, water_fill
 
 
 def layer_budgets(
@@ -112,22 +71,13 @@ def split_by_utility(
     rest = (total - floor.sum(-1)).clamp(min=0)
     out = floor.double() + u / u.sum(-1, keepdim=True) * rest[:, None]
     # Heads that cannot use their share (fewer real tokens than it) give the excess back.
-    for _ in range(h):
-        over = out > cap
-        if not over.any():
-            break
-        excess = (out - cap).clamp(min=0).sum(-1)
-        out = torch.minimum(out, cap.double())
-        room = (~over) & (out < cap)
-        w = torch.where(room, u, torch.zeros_like(u))
-        w_sum = w.sum(-1, keepdim=True)
-        out = out + torch.where(w_sum > 0, w / w_sum.clamp(min=1e-12), 0) * excess[:, None]
+    out = fill_to_caps(out, cap, weights=u)
     target = torch.minimum(total, cap.sum(-1))
     return torch.minimum(largest_remainder(out, target), cap)
 
 
 @dataclass
-class ReasonAllocAllocator:
+class ReasonAllocAllocator(Allocator):
     """Layer level: per-layer budgets ∝ profiled demand^(1/τ), exact total L·H·B.
 
     profile: path of a profile JSON (None = the packaged profile of the model). The
@@ -155,7 +105,15 @@ class ReasonAllocAllocator:
 
 
 @dataclass
-class EntropyHeadSplit:
+class UtilityState(PolicyState):
+    """The running head utility of one layer, [B, H]; -1 for a row that has not compressed yet."""
+
+    utility: torch.Tensor
+    ROW_FIELDS = ("utility",)
+
+
+@dataclass
+class EntropyHeadSplit(HeadAllocator):
     """Head level, at every compression: move budget inside a layer towards heads with high
     real-time utility u_h (EMA-smoothed), keeping the layer total and a per-head floor.
 
@@ -169,38 +127,31 @@ class EntropyHeadSplit:
     ema: float = 0.5
     prefer: Literal["focused", "diffuse"] = "focused"
 
-    def select_rows(self, extras: dict, rows: torch.Tensor) -> None:
-        """Follow the cache's rows (beam search): the running utility is per row."""
-        if isinstance(extras.get("reasonalloc_utility"), torch.Tensor):
-            extras["reasonalloc_utility"] = extras["reasonalloc_utility"].index_select(0, rows)
+    def new_state(self, view: LayerView) -> UtilityState:
+        b, h, _, device = view.shape
+        return UtilityState(torch.full((b, h), -1.0, device=device))
 
-    def split(
-        self,
-        layer_total: torch.Tensor,
-        obs: Observation,
-        scores: torch.Tensor,
-        n_valid: torch.Tensor,
-        keys: torch.Tensor | None = None,
-        min_tokens: int = 0,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if keys is None:
+    def split(self, request: SplitRequest, state: PolicyState | None = None) -> torch.Tensor:
+        if request.keys is None:
             raise ValueError("EntropyHeadSplit needs the layer's keys to measure attention entropy")
         if self.prefer not in ("focused", "diffuse"):
             raise ValueError(f"prefer must be 'focused' or 'diffuse', got {self.prefer!r}")
-        ent = normalised_entropy(obs, keys)
+        ent = normalised_entropy(request.obs, request.keys)
         utility = 1.0 - ent if self.prefer == "focused" else ent
-        previous = obs.extras.get("reasonalloc_utility")
-        if isinstance(previous, torch.Tensor) and previous.shape == utility.shape:
+        previous = state.utility if isinstance(state, UtilityState) else None
+        if previous is not None and previous.shape == utility.shape:
             seen = previous >= 0  # -1: this row has not compressed yet
             utility = torch.where(seen, self.ema * previous + (1.0 - self.ema) * utility, utility)
         else:
             previous = torch.full_like(utility, -1.0)
         # Only rows that compress now move their average: a row's budgets must not depend on
         # when other rows of the batch compress.
+        rows = request.rows
         compressing = rows[:, None] if rows is not None else torch.ones_like(utility, dtype=torch.bool)
-        obs.extras["reasonalloc_utility"] = torch.where(compressing, utility, previous)
+        if state is not None:
+            state.utility = torch.where(compressing, utility, previous)
         h = utility.shape[1]
+        layer_total = request.layer_total
         even = layer_total.double() / h
-        floor = torch.maximum((self.floor_ratio * even).floor().long(), torch.tensor(min_tokens))
-        return split_by_utility(layer_total, utility, floor[:, None], n_valid)
+        floor = torch.maximum((self.floor_ratio * even).floor().long(), torch.tensor(request.min_tokens))
+        return split_by_utility(layer_total, utility, floor[:, None], request.n_valid)

@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 
-
-@runtime_checkable
-class Allocator(Protocol):
-    def allocate(
-        self, n_layers: int, n_kv_heads: int, budget: int, stats: dict | None = None
-    ) -> torch.Tensor:
-        """[n_layers, n_kv_heads] integer budgets summing exactly to n_layers*n_kv_heads*budget."""
-        ...
+from reasonkv.core.policy.contract import Allocator
 
 
 @dataclass
-class UniformAllocator:
+class UniformAllocator(Allocator):
     def allocate(
         self, n_layers: int, n_kv_heads: int, budget: int, stats: dict | None = None
     ) -> torch.Tensor:

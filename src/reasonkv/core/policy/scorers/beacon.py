@@ -14,10 +14,9 @@ current position (as if issued now), recent queries keep their own positions, an
 averages instead). Sinks and recent tokens are protected by the cache; the schedule is the
 max/min threshold (at B_max evict B_max/8).
 
-Decisions where the paper is silent (see DESIGN.md): one buffer per KV head with the
-group's G query heads pooled (each head's vector is a point); points identical in
-direction (cosine distance 0) to a held beacon are not added again; FPS ties go to the
-older point; no token pooling by default.
+Where the paper is silent: one buffer per KV head with the group's G query heads pooled
+(each head's vector is a point); points identical in direction (cosine distance 0) to a
+held beacon are not added again; FPS ties go to the older point; no token pooling by default.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from reasonkv.core.policy.base import Observation, candidate_mask, grouped_logits, masked_softmax, pool_tokens
+from reasonkv.core.policy.contract import LayerView, PolicyState, QueryWindowView, Scorer
 from reasonkv.core.policy.rope import apply_rope, unapply_rope
 
 DUPLICATE_EPS = 1e-5
@@ -106,7 +106,21 @@ def add_points(
 
 
 @dataclass
-class BeaconKVScorer:
+class BeaconState(PolicyState):
+    """One layer's beacon buffers and the bookkeeping of its queue of leaving queries."""
+
+    beacons: torch.Tensor  # [B, H, M, D] pre-RoPE, fp32, arrival order
+    count: torch.Tensor  # [B, H] points held
+    window: QueryWindowView  # the layer's query window (the queue lives in its backlog)
+    group: list  # every layer's scorer state: queues are fed for all layers in one pass
+    pending: int = 0  # queued queries; below 0 when scoring fed the next leaving ones ahead
+    forwards: int = 0
+    step_size: int = 0  # queries in the layer's latest forward
+    ROW_FIELDS = ("beacons", "count")
+
+
+@dataclass
+class BeaconKVScorer(Scorer):
     beacon_max: int = 32
     beacon_min: int = 16
     recent: int = 16
@@ -142,43 +156,45 @@ class BeaconKVScorer:
         """...and the `upkeep_every` before them: the queue of queries not yet fed."""
         return self.upkeep_every
 
+    def new_state(self, view: LayerView) -> BeaconState:
+        b, h, d, device = view.shape
+        return BeaconState(
+            beacons=torch.zeros(b, h, self.beacon_max, d, device=device),
+            count=torch.zeros(b, h, dtype=torch.long, device=device),
+            window=view.window,
+            group=view.scorer_states,
+        )
+
     # ------------------------------------------------------------- buffer upkeep
-    def on_step(self, step: Observation, keys: torch.Tensor, layer) -> None:
+    def on_step(self, step: Observation, keys: torch.Tensor) -> None:
         """Queue the queries that leave the recent window with this forward for the beacon buffers.
 
-        When this runs, `layer.queries` etc. hold the previous queries (the `recent` newest,
+        When this runs, the layer's window holds the previous queries (the `recent` newest,
         and before them the `pending` queued ones: the cache keeps `query_backlog` =
         `upkeep_every` of those) and `step` holds this forward's. Of the two in order, all but
         the newest `recent` have left; those not fed yet are the queue, and this hook only
         counts them. When the queue would outgrow the backlog it is fed (in lock-step decoding
         every layer's queue is full then, and all layers are fed in one pass); more leaving
         queries than the backlog holds (a prompt) are fed at once. Fed queries are rotated back
-        to pre-RoPE; padding queries never enter. State in `layer.extras`: beacons [B, H, M, D]
-        (pre-RoPE, fp32, arrival order), beacon_count [B, H], pending (queued queries; below 0
-        when scoring fed this layer's next leaving ones ahead, see `flush`).
+        to pre-RoPE; padding queries never enter.
         """
-        ex = layer.extras
-        b, _, q, d = step.queries.shape
-        if "beacons" not in ex:
-            h = keys.shape[1]
-            ex["beacons"] = torch.zeros(b, h, self.beacon_max, d, device=keys.device)
-            ex["beacon_count"] = torch.zeros(b, h, dtype=torch.long, device=keys.device)
-            ex["pending"] = 0
-            self._join_upkeep_group(layer)
-        elif ex["beacons"].shape[0] != b:
+        st: BeaconState = step.scorer_state
+        b, _, q, _ = step.queries.shape
+        if st.beacons.shape[0] != b:
             raise RuntimeError("BeaconKV: the batch changed size mid-generation; start a new cache")
-        ex["forwards"], ex["step_size"] = ex.get("forwards", 0) + 1, q
-        held = 0 if layer.queries is None else layer.queries.shape[2]
+        st.forwards, st.step_size = st.forwards + 1, q
+        win = st.window
+        held = 0 if win.queries is None else win.queries.shape[2]
         n_out = self._leaving(held, q)
         if n_out == 0:
             return
         if step.rope_inv_freq is None:
             raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
-        if ex["pending"] + n_out > self.upkeep_every:  # the backlog cannot hold them all
-            self.flush(ex, step.rope_inv_freq, step.rope_attention_scaling)
+        if st.pending + n_out > self.upkeep_every:  # the backlog cannot hold them all
+            self.flush(st, step.rope_inv_freq, step.rope_attention_scaling)
         if n_out <= self.upkeep_every:
             # They stay in the cache's backlog until fed (pending < 0: fed ahead by `flush`).
-            ex["pending"] += n_out
+            st.pending += n_out
             return
         # More than the backlog keeps (a prompt): feed them now, from (previous, this step).
         first_recent = held - min(held, self.recent)  # the previous recent queries all leave
@@ -189,33 +205,28 @@ class BeaconKVScorer:
             return new.narrow(dim, 0, n_out)
 
         queue = (
-            leaving(layer.queries, step.queries, 2),
-            leaving(layer.query_index, step.query_index, 1),
-            leaving(layer.query_positions, step.query_positions, 1),
+            leaving(win.queries, step.queries, 2),
+            leaving(win.query_index, step.query_index, 1),
+            leaving(win.query_positions, step.query_positions, 1),
         )
-        self._feed([ex], [queue], step.rope_inv_freq, step.rope_attention_scaling)
-
-    @staticmethod
-    def _join_upkeep_group(layer) -> None:
-        """Register the layer in its cache's group of layers whose queues are fed together
-        (`layer.shared`, one dict per cache; a layer without one is a group of its own)."""
-        shared = getattr(layer, "shared", None)
-        group = (layer.extras if shared is None else shared).setdefault("beacon_upkeep", {})
-        group[getattr(layer, "layer_idx", 0)] = layer
-        layer.extras["upkeep_group"] = group
+        self._feed([st], [queue], step.rope_inv_freq, step.rope_attention_scaling)
 
     def _leaving(self, held: int, q: int) -> int:
         """How many queries leave the recent window when q arrive after `held` kept ones."""
         return max(held + q - self.recent, 0) - max(held - self.recent, 0)
 
     def flush(
-        self, extras: dict, inv_freq: torch.Tensor | None, attention_scaling: float = 1.0, ahead: bool = False
+        self,
+        state: BeaconState,
+        inv_freq: torch.Tensor | None,
+        attention_scaling: float = 1.0,
+        ahead: bool = False,
     ) -> None:
         """Feed the queued queries (post-RoPE, oldest first) into the beacon buffers: rotated
         back to pre-RoPE, each giving G points per KV head (query, then group head), padding
         queries excluded. Scoring calls it; so may anyone who reads the buffers.
 
-        Inside a cache the queues of all layers are fed at once: their buffers are stacked
+        The queues of every layer in `state.group` are fed at once: their buffers are stacked
         along the batch axis, so one FPS pass serves every layer (30 times fewer small ops on
         the default model); a shorter queue is padded with invalid points, which FPS skips.
         With `ahead` (scoring), a layer that has not run this forward yet is also fed the
@@ -223,28 +234,28 @@ class BeaconKVScorer:
         oldest recent ones), and its own scoring then finds nothing to feed. The order of
         arrival is unchanged, so the buffers are too.
         """
-        forward, q = extras.get("forwards", 0), extras.get("step_size", 0)
+        forward, q = state.forwards, state.step_size
         fed, queues = [], []
-        for lay in extras.get("upkeep_group", {}).values():
-            if lay.queries is None:  # its first forward: nothing kept yet
+        for st in state.group:
+            if not isinstance(st, BeaconState) or st.window.queries is None:  # no forward kept yet
                 continue
-            ex, held = lay.extras, lay.queries.shape[2]
+            win, held = st.window, st.window.queries.shape[2]
             first_recent = held - min(held, self.recent)
             n_ahead = 0
-            if ahead and ex["forwards"] < forward:
+            if ahead and st.forwards < forward:
                 n_ahead = self._leaving(held, q)
                 if n_ahead > min(held - first_recent, self.upkeep_every):
                     n_ahead = 0  # some are still to come (a long chunk): they are fed then
-            start, end = first_recent - ex["pending"], first_recent + n_ahead
+            start, end = first_recent - st.pending, first_recent + n_ahead
             if start >= end:  # nothing queued (or already fed ahead)
                 continue
-            ex["pending"] = -n_ahead
-            fed.append(ex)
+            st.pending = -n_ahead
+            fed.append(st)
             queues.append(
                 (
-                    lay.queries[:, :, start:end],
-                    lay.query_index[:, start:end],
-                    lay.query_positions[:, start:end],
+                    win.queries[:, :, start:end],
+                    win.query_index[:, start:end],
+                    win.query_positions[:, start:end],
                 )
             )
         if fed:
@@ -252,13 +263,13 @@ class BeaconKVScorer:
 
     def _feed(
         self,
-        members: list[dict],
+        members: list[BeaconState],
         queues: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         inv_freq: torch.Tensor | None,
         attention_scaling: float,
     ) -> None:
-        """Feed each layer's (extras dict's) queue of leaving queries [B, Hq, n, D], with their
-        indices and positions [B, n], into its buffers, all in one pass."""
+        """Feed each layer's queue of leaving queries [B, Hq, n, D], with their indices and
+        positions [B, n], into its buffers, all in one pass."""
         if inv_freq is None:
             raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
         n = max(q[1].shape[1] for q in queues)
@@ -269,39 +280,33 @@ class BeaconKVScorer:
             index = torch.cat([F.pad(q[1], (0, n - q[1].shape[1]), value=-1) for q in queues])
             positions = torch.cat([F.pad(q[2], (0, n - q[2].shape[1])) for q in queues])
         b, hq, _, d = leaving.shape
-        h = members[0]["beacons"].shape[1]
+        h = members[0].beacons.shape[1]
         g = hq // h
         pre = unapply_rope(leaving, positions[:, None], inv_freq, attention_scaling)
         points = pre.reshape(b, h, g, n, d).transpose(2, 3).reshape(b, h, n * g, d)
         valid = (index >= 0)[:, None, :, None].expand(b, h, n, g).reshape(b, h, -1)
         if len(members) == 1:
-            beacons, count = members[0]["beacons"], members[0]["beacon_count"]
+            beacons, count = members[0].beacons, members[0].count
         else:
-            beacons = torch.cat([m["beacons"] for m in members])
-            count = torch.cat([m["beacon_count"] for m in members])
+            beacons = torch.cat([m.beacons for m in members])
+            count = torch.cat([m.count for m in members])
         beacons, count = add_points(beacons, count, points, valid, self.beacon_min)
-        rows = members[0]["beacons"].shape[0]
+        rows = members[0].beacons.shape[0]
         for m, buf, cnt in zip(members, beacons.split(rows), count.split(rows), strict=True):
-            m["beacons"], m["beacon_count"] = buf, cnt
-
-    def select_rows(self, extras: dict, rows: torch.Tensor) -> None:
-        """Follow the cache's rows (beam search): the buffers and their counts (the queue is
-        the cache's query backlog, which the cache reorders itself)."""
-        for key in ("beacons", "beacon_count"):
-            if key in extras:
-                extras[key] = extras[key].index_select(0, rows)
+            m.beacons, m.count = buf, cnt
 
     # ------------------------------------------------------------------ scoring
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        if obs.extras is not None:
-            self.flush(obs.extras, obs.rope_inv_freq, obs.rope_attention_scaling, ahead=True)
+        st: BeaconState | None = obs.scorer_state
+        if st is not None:
+            self.flush(st, obs.rope_inv_freq, obs.rope_attention_scaling, ahead=True)
         logits = grouped_logits(obs.queries, keys, obs.scaling)
         probs = masked_softmax(logits, candidate_mask(obs))  # recent queries: [B, H, G, W, T]
         b, h, g, w, t = probs.shape
         parts = [probs.reshape(b, h, g * w, t)]
         n_points = (obs.query_valid.sum(-1) * g)[:, None].expand(b, h)
-        beacons, count = obs.extras.get("beacons"), obs.extras.get("beacon_count")
-        if beacons is not None and bool(count.any()):
+        if st is not None and bool(st.count.any()):
+            beacons, count = st.beacons, st.count
             positions = obs.query_positions if obs.query_positions is not None else obs.query_index
             now = torch.where(obs.query_valid, positions, -1).amax(-1).clamp(min=0)  # newest query's position
             rotated = apply_rope(beacons, now[:, None, None], obs.rope_inv_freq, obs.rope_attention_scaling)

@@ -13,13 +13,14 @@ from typing import ClassVar
 import torch
 
 from reasonkv.core.policy.base import Observation, window_attention
+from reasonkv.core.policy.contract import Scorer
 
 QUERY_CHUNK = 256
 """Prompt queries per block at prefill, so the fp32 probabilities stay O(chunk × cache)."""
 
 
 @dataclass
-class H2OScorer:
+class H2OScorer(Scorer):
     """Cumulative attention per (row, KV head, token), summed over the GQA group's query heads
     (the group is one cache head; the original sums over every query head of the KV head).
 
@@ -41,24 +42,20 @@ class H2OScorer:
         if not 0.0 <= self.recent_ratio <= 1.0:
             raise ValueError(f"recent_ratio must be within [0, 1], got {self.recent_ratio}")
 
-    def on_step(self, step: Observation, keys: torch.Tensor, layer) -> None:
+    def on_step(self, step: Observation, keys: torch.Tensor) -> None:
         """Add the attention of this forward's queries (all of `step`'s) to "h2o_acc"."""
         q = step.queries.shape[2]
-        acc = layer.state["h2o_acc"][:, :, : layer.used]
+        acc = step.state["h2o_acc"]  # a view of the cache's per-token state: updated in place
         for start in range(0, q, QUERY_CHUNK):
             sl = slice(start, min(start + QUERY_CHUNK, q))
             block = replace(step, queries=step.queries[:, :, sl], query_index=step.query_index[:, sl])
             acc += window_attention(block, keys, gqa="sum").sum(dim=2)  # [B, H, T]
-        if "h2o_recent" not in layer.extras:
-            targets = [layer.policy.schedule.target(int(b)) for b in layer.budgets.tolist()]
-            recent = (torch.tensor(targets, dtype=torch.float64) * self.recent_ratio).floor().long()
-            layer.extras["h2o_recent"] = recent.to(acc.device)
 
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         acc = obs.state["h2o_acc"].float()
-        recent = obs.extras.get("h2o_recent")
-        if recent is None:
+        if obs.targets is None:
             return acc.clone()
+        recent = (obs.targets.double() * self.recent_ratio).floor().long()  # [H]
         valid = obs.key_valid
         rank_from_end = valid.flip(-1).cumsum(-1).flip(-1)  # 1 for the newest real token
         is_recent = valid & (rank_from_end <= recent.to(acc.device)[None, :, None])

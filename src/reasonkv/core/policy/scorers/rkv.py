@@ -21,6 +21,7 @@ from reasonkv.core.policy.base import (
     reduce_queries,
     window_attention,
 )
+from reasonkv.core.policy.contract import Scorer
 
 _CPU_SIM_ELEMENTS = 1 << 19
 """Similarity entries per pass on a CPU (2 MB of float32: cache-sized)."""
@@ -29,7 +30,7 @@ _SIM_ELEMENTS = 1 << 26
 
 
 @dataclass
-class RKVScorer:
+class RKVScorer(Scorer):
     """R-KV's joint score. Only real keys take part in the redundancy term: EMPTY slots
     (padding, ragged heads) are left out of the similarity rows and columns, of the mean's
     denominator and of the softmax, so a padded batch row scores exactly as it would alone.

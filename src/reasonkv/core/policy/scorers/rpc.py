@@ -13,18 +13,19 @@ from typing import Literal
 import torch
 
 from reasonkv.core.policy.base import Observation, candidate_mask, grouped_logits, masked_softmax, pool_tokens
+from reasonkv.core.policy.contract import Scorer
 
 
 @dataclass
-class RPCScorer:
+class RPCScorer(Scorer):
     """`window` = R, the selector queries (and the newest R tokens left out of the candidates).
 
     aggregation "all" (the paper's default) averages over every query head of the layer, so
     every KV head gets the same score vector and keeps the same tokens; it is computed as
     per-KV-head group means averaged across KV heads, which needs the heads to share one slot
     layout (true under RPC, whose heads always keep the same tokens). "group" keeps the
-    per-KV-head group mean. The prompt boundary comes from `obs.extras["prompt_end"]` ([B]
-    sequence index where generation starts), which `on_step` records.
+    per-KV-head group mean. The prompt boundary is `obs.prompt_end` ([B] sequence index where
+    generation starts).
     """
 
     window: int = 32
@@ -32,19 +33,10 @@ class RPCScorer:
     pooling: Literal["avg", "max", "none"] = "avg"
     aggregation: Literal["all", "group"] = "all"
 
-    def on_step(self, step: Observation, keys: torch.Tensor, layer) -> None:
-        # The cache sets layer.prompt_end at the first forward (the prompt), before this hook.
-        if "prompt_end" not in layer.extras:
-            layer.extras["prompt_end"] = layer.prompt_end
-
-    def select_rows(self, extras: dict, rows: torch.Tensor) -> None:
-        if "prompt_end" in extras:
-            extras["prompt_end"] = extras["prompt_end"].index_select(0, rows)
-
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         logits = grouped_logits(obs.queries, keys, obs.scaling)  # [B, H, G, W, T]
         allowed = candidate_mask(obs, exclude_last=self.window)  # [B, H, 1, W, T]
-        prompt_end = obs.extras.get("prompt_end")
+        prompt_end = obs.prompt_end
         if prompt_end is not None:
             generated = obs.token_index >= prompt_end.to(obs.token_index.device)[:, None, None]
             allowed = allowed & generated[:, :, None, None, :]

@@ -12,10 +12,11 @@ from typing import Literal
 import torch
 
 from reasonkv.core.policy.base import GqaReduce, Observation, pool_tokens, reduce_queries, window_attention
+from reasonkv.core.policy.contract import Scorer
 
 
 @dataclass
-class SnapKVScorer:
+class SnapKVScorer(Scorer):
     window: int = 8
     kernel: int = 7
     pooling: Literal["max", "avg", "none"] = "max"

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.core.policy.base import Observation
+from reasonkv.core.policy.contract import Scorer
 
 
 @dataclass
-class StreamingScorer:
+class StreamingScorer(Scorer):
     window: int = 0
 
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.core.policy.base import Observation, window_attention
+from reasonkv.core.policy.contract import Scorer
 
 
 @dataclass
-class TOVAScorer:
+class TOVAScorer(Scorer):
     window: int = 1
 
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

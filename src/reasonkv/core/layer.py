@@ -1,0 +1,362 @@
+"""CompressedLayer: one layer of a compressed cache, and the owner of its decode step.
+
+A forward of one attention layer goes through it three times, in this order:
+1. `update` (called by transformers through the cache) appends the new keys and values and
+   returns everything stored; nothing is evicted here, so scores later index exactly the
+   stored tokens.
+2. `before_attention` (reasonkv's attention function) marks this step's padding and returns
+   the attention mask, built from the layer's own record of which token each slot holds.
+3. `after_attention` (the same function, once attention is done): the scorer sees this
+   forward's queries (`on_step`), the query window is updated, and if the schedule fires the
+   layer scores, splits the budget between heads, selects and evicts.
+So the current step always attends to the pre-eviction cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from reasonkv.core.policy.base import Observation
+from reasonkv.core.policy.contract import PolicyState, Scorer, SplitRequest
+from reasonkv.core.policy.selection import evict_one, protected_mask, select_tokens
+from reasonkv.core.query_window import QueryWindow
+from reasonkv.core.storage import KVStorage
+from reasonkv.core.timing import NO_TIMER, StepTimer
+
+GROWTH_CHUNK = 256
+"""Slack added when storage must grow outside the schedule (prefill, the full cache)."""
+
+
+@dataclass
+class PolicyStates:
+    """The per-layer memory of each policy of a method (None where a policy keeps none)."""
+
+    scorer: PolicyState | None = None
+    schedule: PolicyState | None = None
+    head_allocator: PolicyState | None = None
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        for state in (self.scorer, self.schedule, self.head_allocator):
+            if state is not None:
+                state.select_rows(rows)
+
+
+class _View:
+    """The read-only `LayerView` policies get: live properties of the layer, no copies."""
+
+    def __init__(self, layer: CompressedLayer):
+        self._layer = layer
+
+    layer_idx = property(lambda self: self._layer.layer_idx)
+    budgets = property(lambda self: self._layer.budgets)
+    plan = property(lambda self: self._layer.plan)
+    targets = property(lambda self: self._layer.targets)
+    token_index = property(lambda self: self._layer.token_index)
+    n_valid = property(lambda self: self._layer.n_valid)
+    live_upper = property(lambda self: self._layer.live_upper)
+    seen = property(lambda self: self._layer.seen)
+    n_recent = property(lambda self: self._layer.policy.n_recent)
+    window = property(lambda self: self._layer.window)
+    scorer_states = property(lambda self: self._layer.scorer_states)
+
+    @property
+    def shape(self) -> tuple[int, int, int, torch.device]:
+        storage = self._layer.storage
+        b, h = storage.lengths.shape
+        return b, h, storage.keys.shape[-1], storage.device
+
+
+class CompressedLayer(CacheLayerMixin):
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, layer_idx: int, budgets: torch.Tensor, policy, scorer_states: list | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.budgets = budgets.clone()  # [H] per-head budget of this layer
+        self.policy = policy
+        self.plan = policy.schedule.plan([int(b) for b in self.budgets.tolist()])
+        # Every layer's scorer state, one list per cache: scorers batch work across layers (BeaconKV).
+        self.scorer_states = [None] * (layer_idx + 1) if scorer_states is None else scorer_states
+        self.timer: StepTimer = NO_TIMER
+        self.report: Callable[[int, int, torch.Tensor, torch.Tensor], None] | None = None
+        self.view = _View(self)
+        scorer: Scorer = policy.scorer
+        self._window_size = max(scorer.window, 1)
+        self._observes_steps = type(scorer).on_step is not Scorer.on_step
+        self._reset_state()
+
+    # transformers' CacheLayerMixin sets these to None; the storage owns them.
+    keys = property(lambda self: None if self.storage is None else self.storage.keys, lambda self, v: None)
+    values = property(
+        lambda self: None if self.storage is None else self.storage.values, lambda self, v: None
+    )
+
+    def _reset_state(self) -> None:
+        self.storage: KVStorage | None = None
+        self.window = QueryWindow()
+        self.states = PolicyStates()
+        self._states_made = False
+        self.scorer_states[self.layer_idx] = None
+        self.seen = 0  # logical tokens seen, padding included
+        self.new_start = 0  # sequence index of the first token of the current step
+        self.live_upper = 0  # an upper bound of max_b sum_h n_valid, to skip the trigger check cheaply
+        self.pending = False  # update() ran, after_attention() not yet
+        self._new_valid: torch.Tensor | None = None
+        self.is_initialized = False
+
+    def reset(self) -> None:
+        self._reset_state()
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, _ = key_states.shape
+        if h != self.budgets.numel():
+            raise ValueError(
+                f"layer {self.layer_idx}: the cache was built for {self.budgets.numel()} KV heads, "
+                f"the model gives {h}; a cache belongs to the model it was made for"
+            )
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.storage = KVStorage(b, h, self.device, tuple(self.policy.scorer.state_names))
+        self.budgets = self.budgets.to(self.device)
+        self.targets = torch.tensor(self.plan.targets, device=self.device)
+        self.is_initialized = True
+
+    # ------------------------------------------------------------ what it holds
+    @property
+    def batch_size(self) -> int:
+        return self.storage.lengths.shape[0]
+
+    @property
+    def used(self) -> int:
+        return 0 if self.storage is None else self.storage.used
+
+    @property
+    def lengths(self) -> torch.Tensor | None:
+        return None if self.storage is None else self.storage.lengths
+
+    @property
+    def n_valid(self) -> torch.Tensor | None:
+        return None if self.storage is None else self.storage.n_valid
+
+    @property
+    def token_index(self) -> torch.Tensor | None:
+        """[B, H, used] sequence index per stored slot (EMPTY: padding or a hole)."""
+        return None if self.storage is None else self.storage.token_index[:, :, : self.storage.used]
+
+    # The query window, as earlier code and tests read it.
+    queries = property(lambda self: self.window.queries)
+    query_index = property(lambda self: self.window.query_index)
+    query_positions = property(lambda self: self.window.query_positions)
+    prompt_end = property(lambda self: self.window.prompt_end)
+
+    @property
+    def token_state(self) -> dict[str, torch.Tensor]:
+        """The scorer's per-token tensors, [B, H, used] views of the storage."""
+        used = self.used
+        return (
+            {} if self.storage is None else {k: v[:, :, :used] for k, v in self.storage.token_state.items()}
+        )
+
+    def _slack(self) -> int:
+        """Tokens a head may gain after a compression before the next one fires."""
+        slack = self.policy.schedule.slack(self.view, self.states.schedule)
+        return GROWTH_CHUNK if slack is None else slack
+
+    # ------------------------------------------------------- 1. update (append)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[:2] != self.storage.lengths.shape:
+            # Caught here, before the write would fail with an opaque shape error.
+            raise RuntimeError(
+                f"layer {self.layer_idx}: this CompressedCache holds {tuple(self.storage.lengths.shape)} "
+                f"(batch, KV heads), the model gives {tuple(key_states.shape[:2])}: it was made for "
+                "another model or another batch; build one cache per model and generation with "
+                "reasonkv.make_cache(model, ...)"
+            )
+        if self.pending:
+            raise RuntimeError(
+                "reasonkv's attention function did not run for the previous step: the model is not set up "
+                "for this cache. Build it with reasonkv.make_cache(model, ...), which installs it."
+            )
+        storage, q = self.storage, key_states.shape[2]
+        needed = storage.used + q
+        trigger = self.plan.trigger_max
+        # Room up to the schedule's trigger, so decoding writes in place until it compresses.
+        if trigger is not None and needed <= trigger:
+            capacity = trigger + self.plan.hole_slots
+        else:
+            capacity = needed + self._slack()
+        storage.ensure_capacity(needed, capacity, key_states, value_states)
+        storage.append(key_states, value_states, self.seen)
+        self.live_upper += q * storage.lengths.shape[1]
+        self.new_start, self.seen = self.seen, self.seen + q
+        self.pending = True
+        return storage.keys[:, :, : storage.used], storage.values[:, :, : storage.used]
+
+    # --------------------------------------------------------- 2. before attention
+    def before_attention(self, new_valid: torch.Tensor | None) -> tuple[torch.Tensor | None, bool]:
+        """Mark this step's padding (new_valid [B, q] False: padding) and return the attention
+        mask ([B, 1 or H, q, used] bool, or None) and whether attention is plain causal."""
+        storage = self.storage
+        q = self.seen - self.new_start
+        if new_valid is not None and not bool(new_valid.all()):
+            storage.mark_padding(new_valid, self.new_start)
+        self._new_valid = new_valid
+        query_index = torch.arange(self.new_start, self.seen, device=storage.device).expand(
+            storage.lengths.shape[0], -1
+        )
+        with self.timer.section("mask"):
+            mask = storage.attention_mask(query_index)
+        return mask, mask is None and q == storage.used and q > 1  # a fresh prefill
+
+    # ---------------------------------------------------------- 3. after attention
+    def after_attention(self, query: torch.Tensor, positions: torch.Tensor | None, scaling: float) -> None:
+        with self.timer.section("after_attention"):
+            self._after_attention(query, positions, scaling)
+
+    def _after_attention(self, query: torch.Tensor, positions: torch.Tensor | None, scaling: float) -> None:
+        self.pending = False
+        policy, storage = self.policy, self.storage
+        index, positions = self.window.label(query, self.new_start, self._new_valid, positions)
+        if not self._states_made:
+            self._new_states()
+        keys = storage.keys[:, :, : storage.used]
+        if self._observes_steps:
+            step = self._observation(query.detach(), index, positions, scaling)
+            with self.timer.section("on_step"):
+                policy.scorer.on_step(step, keys)
+        self.window.keep(query, index, positions, self._window_size + policy.scorer.query_backlog)
+        schedule, view = policy.schedule, self.view
+        rows = schedule.rows_to_compress(view, self.states.schedule)
+        if rows is None:
+            return
+        obs = self._observation(*self.window.last(self._window_size), scaling)
+        values = storage.values[:, :, : storage.used]
+        with self.timer.section("score"):
+            scores = policy.scorer.score(obs, keys, values)
+        keep = schedule.keep(view, self.states.schedule)
+        if policy.head_allocator is not None:
+            request = SplitRequest(
+                keep.sum(-1), obs, scores, storage.n_valid, keys, policy.n_sink + policy.n_recent, rows
+            )
+            with self.timer.section("split"):
+                keep = policy.head_allocator.split(request, self.states.head_allocator)
+        keep = torch.where(rows[:, None], keep, storage.n_valid)
+        with self.timer.section("compress"):
+            self.compress(keep, scores)
+        if self.report is not None:
+            self.report(self.layer_idx, self.seen, storage.n_valid, rows)
+
+    def _new_states(self) -> None:
+        """Each policy's memory for this layer, made once the first forward's queries are labelled."""
+        policy = self.policy
+        self.states.scorer = policy.scorer.new_state(self.view)
+        self.states.schedule = policy.schedule.new_state(self.view)
+        if policy.head_allocator is not None:
+            self.states.head_allocator = policy.head_allocator.new_state(self.view)
+        self.scorer_states[self.layer_idx] = self.states.scorer
+        self._states_made = True
+
+    def _observation(self, queries, index, positions, scaling: float) -> Observation:
+        policy = self.policy
+        return Observation(
+            queries=queries,
+            query_index=index,
+            token_index=self.token_index,
+            scaling=scaling,
+            state=self.token_state,
+            layer_idx=self.layer_idx,
+            query_positions=positions,
+            rope_inv_freq=policy.rope_inv_freq,
+            rope_attention_scaling=policy.rope_attention_scaling,
+            prompt_end=self.window.prompt_end,
+            targets=self.targets,
+            scorer_state=self.states.scorer,
+        )
+
+    def steps_until_compress(self) -> int | None:
+        """Tokens one forward can take without passing this layer's next compression (None: never)."""
+        return self.policy.schedule.steps_until_compress(self.view, self.states.schedule)
+
+    # ------------------------------------------------------------- compression
+    def compress(self, keep: torch.Tensor, scores: torch.Tensor) -> None:
+        """Keep `keep[b, h]` tokens per head chosen by `scores` [B, H, used]; free the rest."""
+        policy, storage = self.policy, self.storage
+        index = self.token_index
+        protected = protected_mask(
+            index, policy.n_sink, policy.n_recent, self.window.prompt_end if policy.protect_prompt else None
+        )
+        hole_slots = self.plan.hole_slots
+        room = storage.used + self._slack() <= storage.capacity
+        if hole_slots and room:
+            # An every-step schedule's usual step: each head drops at most one token, and the
+            # holes still fit. Find it by argmin instead of ranking every token.
+            drop = (storage.n_valid - keep).clamp(min=0)
+            most_dropped, longest = torch.stack([drop.max(), (storage.n_valid - drop).max()]).tolist()
+            if most_dropped <= 1 and storage.used - longest <= hole_slots:
+                victim = evict_one(scores, index, protected, drop > 0)
+                with self.timer.section("holes"):
+                    storage.evict_slot(victim)
+                self.live_upper = int(storage.n_valid.sum(-1).max())
+                return
+        slots, new_len = select_tokens(scores, index, keep, protected)
+        holes = storage.used - slots.shape[-1]  # slots not kept by the longest head
+        if holes <= hole_slots and room:
+            with self.timer.section("holes"):
+                storage.evict_in_place(slots, new_len)
+        else:
+            capacity = slots.shape[-1] + self._slack() + hole_slots
+            with self.timer.section("compact"):
+                storage.compact(slots, new_len, capacity)
+        self.live_upper = int(new_len.sum(-1).max())
+
+    # ----------------------------------------------------------- bookkeeping
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        # reasonkv's mask function builds its mask from `token_index`, not from these sizes;
+        # they describe the logical sequence so a stock mask function would stay consistent.
+        q = query_length if isinstance(query_length, int) else int(query_length.shape[0])
+        return self.seen + q, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep batch rows `rows` [B'] (beam search reorders, repeats or drops them)."""
+        rows = rows.to(self.device)
+        self.storage.select_rows(rows)
+        self.window.select_rows(rows)
+        self.states.select_rows(rows)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self.select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.select_rows(torch.as_tensor(indices, device=self.device).flatten())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.select_rows(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a compressed cache cannot be cropped: evicted tokens are gone")
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the layer holds: storage, query window, and its policies' tensors."""
+        if self.storage is None:
+            return []
+        out = self.storage.tensors() + self.window.tensors()
+        for state in (self.states.scorer, self.states.schedule, self.states.head_allocator):
+            if state is not None:
+                out += [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
+        return out

@@ -1,0 +1,153 @@
+"""The contract between the cache and its policies: what a policy may read, and what it answers.
+
+A method is a scorer (which tokens), a schedule (when, and how many), an allocator (budgets
+per layer and head, once) and optionally a head allocator (budgets per head, at every
+compression). The cache calls the hooks below and nothing else; every hook has a default, so
+a policy defines only what it needs. A policy never receives the cache or its layers: it
+reads a `LayerView` and keeps whatever it must remember in its own `PolicyState`, which the
+cache stores per layer, reorders with the batch rows and drops on reset.
+
+Pure torch: nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+from reasonkv.core.policy.base import Observation
+
+
+class PolicyState:
+    """Per-layer memory of one policy. `ROW_FIELDS` names the tensors whose first axis is the
+    batch row: they follow the rows when beam search reorders or repeats them."""
+
+    ROW_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        for name in self.ROW_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.index_select(0, rows.to(value.device)))
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """One layer's schedule arithmetic, computed once from its per-head budgets."""
+
+    triggers: tuple[int, ...] | None
+    """Real tokens per head at which the layer compresses; None = never."""
+    targets: tuple[int, ...]
+    """Tokens each head keeps after compressing."""
+    hole_slots: int
+    """Evicted slots that may stay as holes before the layer is compacted (0 = compact each time)."""
+
+    @property
+    def trigger_max(self) -> int | None:
+        return None if self.triggers is None else max(self.triggers)
+
+    @property
+    def trigger_total(self) -> int | None:
+        return None if self.triggers is None else sum(self.triggers)
+
+
+class QueryWindowView(Protocol):
+    """The layer's recent queries: the window `score` reads plus the scorer's backlog."""
+
+    queries: torch.Tensor | None  # [B, Hq, W, D], post-RoPE, oldest first
+    query_index: torch.Tensor | None  # [B, W] sequence index, -1 for padding
+    query_positions: torch.Tensor | None  # [B, W] RoPE position
+    prompt_end: torch.Tensor | None  # [B] sequence index where generation starts
+
+
+class LayerView(Protocol):
+    """What a policy may read about one layer (read-only: policies write only their state)."""
+
+    @property
+    def layer_idx(self) -> int: ...
+    @property
+    def budgets(self) -> torch.Tensor: ...  # [H] per-head budget
+    @property
+    def plan(self) -> BudgetPlan: ...
+    @property
+    def targets(self) -> torch.Tensor: ...  # [H] plan.targets on the layer's device
+    @property
+    def token_index(self) -> torch.Tensor: ...  # [B, H, T] sequence index per slot, EMPTY if none
+    @property
+    def n_valid(self) -> torch.Tensor: ...  # [B, H] real tokens per head
+    @property
+    def live_upper(self) -> int: ...  # an upper bound of max_b sum_h n_valid (no device sync)
+    @property
+    def seen(self) -> int: ...  # tokens fed so far, padding included
+    @property
+    def n_recent(self) -> int: ...  # the protected recent window
+    @property
+    def shape(self) -> tuple[int, int, int, torch.device]: ...  # batch, KV heads, head dim, device
+    @property
+    def window(self) -> QueryWindowView: ...
+    @property
+    def scorer_states(self) -> list: ...  # every layer's scorer state, for work batched across layers
+
+
+class Scorer:
+    """Which tokens to keep: higher score = keep. A scorer never decides how many.
+
+    Hooks, in the order the cache calls them once per forward of a layer, after attention:
+    `on_step(step, keys)` with THIS forward's queries (all of them) before anything is
+    evicted; then, when the schedule fires, `score(obs, keys, values)` with the last `window`
+    queries. The cache keeps `window` queries (at least 1) plus `query_backlog` older ones
+    that `score` does not see, and per-token tensors named in `state_names` ([B, H, T] in
+    `obs.state`, zero for new tokens, gathered with the keys at every eviction).
+    """
+
+    window: int = 1
+    query_backlog: int = 0
+    state_names: ClassVar[tuple[str, ...]] = ()
+
+    def new_state(self, view: LayerView) -> PolicyState | None:
+        """This scorer's memory for one layer (None = it needs none); made at the layer's first forward."""
+        return None
+
+    def on_step(self, step: Observation, keys: torch.Tensor) -> None:
+        """See every query of this forward ([B, Hq, q, D] in `step`) over the stored keys [B, H, T, D]."""
+
+    def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """[B, H, T] scores for the stored keys [B, H, T, D]."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SplitRequest:
+    """What a head allocator sees at one compression of one layer."""
+
+    layer_total: torch.Tensor  # [B] tokens the layer keeps, summed over heads
+    obs: Observation
+    scores: torch.Tensor  # [B, H, T] the scorer's scores
+    n_valid: torch.Tensor  # [B, H] real tokens per head now
+    keys: torch.Tensor | None = None  # [B, H, T, D]
+    min_tokens: int = 0  # no head below this (the protected window) unless it holds fewer
+    rows: torch.Tensor | None = None  # [B] bool: the rows compressing now (others are discarded)
+
+
+class HeadAllocator:
+    """Moves a layer's budget between its heads at every compression (AdaKV, ReasonAlloc).
+    `split` must keep each row's total exactly and give no head fewer than `min_tokens`."""
+
+    def new_state(self, view: LayerView) -> PolicyState | None:
+        return None
+
+    def split(self, request: SplitRequest, state: PolicyState | None = None) -> torch.Tensor:
+        """[B, H] tokens each head keeps."""
+        raise NotImplementedError
+
+
+class Allocator:
+    """Budgets per (layer, KV head), set once when the cache is built."""
+
+    def allocate(
+        self, n_layers: int, n_kv_heads: int, budget: int, stats: dict | None = None
+    ) -> torch.Tensor:
+        """[n_layers, n_kv_heads] integers; sums exactly n_layers * n_kv_heads * budget."""
+        raise NotImplementedError

@@ -1,0 +1,172 @@
+"""One layer's K/V storage: slots, their tokens, and how tokens leave.
+
+Keys and values are `[B, H, capacity, D]`, with a per-slot `token_index` (the token's sequence
+index, EMPTY for padding, holes and unused slots) and per-head `lengths`: head (b, h) owns
+slots `[0, lengths[b, h])`, in positional order. Tokens leave in one of three ways: a hole
+(the slot's index becomes EMPTY; storage stays put), or a compaction (the kept slots are
+gathered into fresh, smaller tensors and the old ones are released). Per-token scorer state
+(`token_state`) moves with the keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reasonkv.core.policy.base import EMPTY
+
+
+class KVStorage:
+    def __init__(self, batch: int, heads: int, device: torch.device, state_names: tuple[str, ...] = ()):
+        self.keys: torch.Tensor | None = None  # [B, H, capacity, D]
+        self.values: torch.Tensor | None = None
+        self.token_index: torch.Tensor | None = None  # [B, H, capacity]
+        self.lengths = torch.zeros(batch, heads, dtype=torch.long, device=device)  # slots in use per head
+        self.n_valid = torch.zeros_like(self.lengths)  # real tokens per head
+        self.token_state: dict[str, torch.Tensor] = {}  # [B, H, capacity] each
+        self.state_names = state_names
+        self.device = device
+        self.used = 0  # max over heads of lengths (a python int: no sync to slice)
+        self.ragged = False  # do heads/rows use different numbers of slots?
+        self.holes = False  # are there evicted-but-not-compacted slots (a per-head layout)?
+        self.padded = False  # is there padding among the stored slots?
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def dense(self) -> bool:
+        """Are all slots in [0, used) real tokens, in the same layout for every head?"""
+        return not (self.ragged or self.holes or self.padded)
+
+    def ensure_capacity(self, needed: int, capacity: int, like: torch.Tensor, v_like: torch.Tensor) -> None:
+        """Grow to `capacity` slots (copying what is stored) unless `needed` already fit."""
+        for name in self.state_names:
+            if name not in self.token_state:
+                self.token_state[name] = torch.zeros(*self.lengths.shape, self.capacity, device=self.device)
+        if self.keys is not None and needed <= self.keys.shape[2]:
+            return
+        b, h = self.lengths.shape
+        # Zeros, not empty: masked slots still enter the attention matmuls, and 0 x NaN from
+        # uninitialised memory would poison real outputs.
+        keys = like.new_zeros(b, h, capacity, like.shape[-1])
+        values = v_like.new_zeros(b, h, capacity, v_like.shape[-1])
+        index = torch.full((b, h, capacity), EMPTY, dtype=torch.long, device=self.device)
+        if self.used:
+            keys[:, :, : self.used] = self.keys[:, :, : self.used]
+            values[:, :, : self.used] = self.values[:, :, : self.used]
+            index[:, :, : self.used] = self.token_index[:, :, : self.used]
+        for name, tensor in self.token_state.items():
+            grown = tensor.new_zeros(b, h, capacity)
+            grown[:, :, : self.used] = tensor[:, :, : self.used]
+            self.token_state[name] = grown
+        self.keys, self.values, self.token_index = keys, values, index
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, first_index: int) -> None:
+        """Write q new tokens (sequence indices first_index...) after each head's last slot."""
+        q = key_states.shape[2]
+        new_index = torch.arange(first_index, first_index + q, device=self.device)
+        if not self.ragged:
+            sl = slice(self.used, self.used + q)
+            self.keys[:, :, sl] = key_states
+            self.values[:, :, sl] = value_states
+            self.token_index[:, :, sl] = new_index
+        else:
+            slots = self.lengths[..., None] + torch.arange(q, device=self.device)  # [B, H, q]
+            d = key_states.shape[-1]
+            self.keys.scatter_(2, slots[..., None].expand(-1, -1, -1, d), key_states)
+            self.values.scatter_(2, slots[..., None].expand(-1, -1, -1, value_states.shape[-1]), value_states)
+            self.token_index.scatter_(2, slots, new_index.expand_as(slots).contiguous())
+        for tensor in self.token_state.values():  # new tokens start with zero accumulated state
+            if not self.ragged:
+                tensor[:, :, self.used : self.used + q] = 0
+            else:
+                tensor.scatter_(2, slots, 0.0)
+        self.lengths += q
+        self.n_valid += q
+        self.used += q
+
+    def mark_padding(self, new_valid: torch.Tensor, first_index: int) -> None:
+        """Mark this step's padding tokens (new_valid [B, q] False, first sequence index
+        `first_index`) as EMPTY, so they are never attended, scored or sinks."""
+        q = new_valid.shape[1]
+        index = self.token_index[:, :, : self.used]
+        rel = index - first_index  # EMPTY stays huge
+        in_step = (rel >= 0) & (rel < q)
+        pad = in_step & ~new_valid[:, None, :].expand(-1, index.shape[1], -1).gather(2, rel.clamp(0, q - 1))
+        index.masked_fill_(pad, EMPTY)
+        self.n_valid -= (~new_valid).sum(-1, keepdim=True)
+        self.padded = True
+
+    def attention_mask(self, query_index: torch.Tensor) -> torch.Tensor | None:
+        """Boolean mask [B, 1 or H, q, used] for queries with sequence indices [B, q], or None
+        when every stored token may be attended (decode) or plain causal applies (fresh prefill)."""
+        q = query_index.shape[-1]
+        if self.dense and (q == 1 or q == self.used):
+            return None
+        index = self.token_index[:, :, : self.used]
+        if not self.ragged and not self.holes:
+            index = index[:, :1]  # heads share slot layout, so one mask row serves all
+        allowed = index[:, :, None, :] <= query_index[:, None, :, None]
+        # A padding query attends nothing; give it everything so no NaN leaks into its
+        # (never attended) key/value at the next layer.
+        return allowed | ~allowed.any(-1, keepdim=True)
+
+    # ------------------------------------------------------------ tokens leave
+    def evict_slot(self, victim: torch.Tensor) -> None:
+        """Make slot victim[b, h, 0] of each head a hole (victim = used: none)."""
+        self.token_index.scatter_(2, victim, EMPTY)  # slot `used` is spare capacity, EMPTY already
+        self.n_valid = self.n_valid - (victim[..., 0] < self.used).long()
+        self.holes = True
+
+    def evict_in_place(self, slots: torch.Tensor, new_len: torch.Tensor) -> None:
+        """Make every slot not in `slots` [B, H, K] a hole; storage and the other slots stay put."""
+        b, h = self.lengths.shape
+        kept = torch.zeros(b, h, self.used + 1, dtype=torch.bool, device=self.device)
+        kept.scatter_(2, slots, True)  # padding entries (= used) land in the extra column
+        self.token_index[:, :, : self.used].masked_fill_(~kept[:, :, : self.used], EMPTY)
+        self.n_valid = new_len.clone()
+        self.holes = True
+
+    def compact(self, slots: torch.Tensor, new_len: torch.Tensor, capacity: int) -> None:
+        """Gather the kept slots [B, H, K] (sorted, padded with `used`) into fresh storage of
+        `capacity` slots; the old tensors are released."""
+        b, h, k = slots.shape
+        safe = slots.clamp(max=max(self.used - 1, 0))
+        present = slots < self.used
+
+        def gather(src: torch.Tensor, fill) -> torch.Tensor:
+            out = src.new_full((b, h, capacity) + src.shape[3:], fill)  # finite filler, see ensure_capacity
+            idx = safe if src.dim() == 3 else safe[..., None].expand(-1, -1, -1, src.shape[-1])
+            out[:, :, :k] = src.gather(2, idx)
+            return out
+
+        keys = gather(self.keys[:, :, : self.used], 0)
+        values = gather(self.values[:, :, : self.used], 0)
+        index = gather(self.token_index[:, :, : self.used], EMPTY)
+        index[:, :, :k].masked_fill_(~present, EMPTY)
+        state = {n: gather(t[:, :, : self.used], 0) for n, t in self.token_state.items()}
+        self.keys, self.values, self.token_index, self.token_state = keys, values, index, state
+        self.lengths = new_len.clone()
+        self.n_valid = new_len.clone()
+        self.used = k
+        self.ragged = bool((new_len != k).any())
+        self.holes = False
+        self.padded = False
+
+    # ------------------------------------------------------------- bookkeeping
+    def select_rows(self, rows: torch.Tensor) -> None:
+        for name in ("keys", "values", "token_index", "lengths", "n_valid"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, rows.to(t.device)))
+        self.token_state = {n: t.index_select(0, rows.to(t.device)) for n, t in self.token_state.items()}
+
+    def tensors(self) -> list[torch.Tensor]:
+        ts = [self.keys, self.values, self.token_index, *self.token_state.values()]
+        return [t for t in ts if t is not None]
+
+    def kv_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
