@@ -26,6 +26,7 @@ from reasonkv.core.cache import CompressedCache, LayerPolicy
 from reasonkv.core.models import attention_modules, model_shape
 from reasonkv.core.policy.allocators.reasonalloc import attention_stats
 from reasonkv.core.policy.base import Observation
+from reasonkv.core.policy.contract import Scorer
 from reasonkv.core.policy.schedules import NEVER
 from reasonkv.harness.traces import replay_input
 from reasonkv.methods.api import install_attention
@@ -33,7 +34,7 @@ from reasonkv.methods.profiles import PROFILE_FORMAT, config_hash
 
 
 @dataclass
-class _Observer:
+class _Observer(Scorer):
     """Scorer-shaped recorder: sees every forward's queries through the cache's on_step
     hook (the step observation holds all of them) and accumulates per-head statistics; it is
     never asked to evict, so the cache's query window can be the minimum."""
@@ -48,7 +49,7 @@ class _Observer:
     def score(self, obs, keys, values):  # pragma: no cover - NEVER schedule: no compression
         raise RuntimeError("the profiler never evicts")
 
-    def on_step(self, step: Observation, keys: torch.Tensor, layer) -> None:
+    def on_step(self, step: Observation, keys: torch.Tensor) -> None:
         index = step.query_index[0]  # this forward's queries only (-1 = padding)
         sel = (index >= 0) & (index >= self.start) & ((index - self.start) % self.stride == 0)
         for i in sel.nonzero().flatten().tolist():
@@ -56,8 +57,8 @@ class _Observer:
                 step.queries[:, :, i : i + 1], step.query_index[:, i : i + 1], step.token_index, step.scaling
             )
             ent, mass = attention_stats(one, keys, self.topk)
-            self.entropy.setdefault(layer.layer_idx, []).append(ent[0])
-            self.mass.setdefault(layer.layer_idx, []).append(mass[0])
+            self.entropy.setdefault(step.layer_idx, []).append(ent[0])
+            self.mass.setdefault(step.layer_idx, []).append(mass[0])
 
 
 def profile_trace(

@@ -225,7 +225,7 @@ register(
     )
 )
 
-# --- ReasonAlloc (issue 4): profiled layer budgets x entropy head split, on top of any policy ---
+# --- ReasonAlloc: profiled layer budgets x entropy head split, on top of any policy ---
 _REASONALLOC = "ReasonAlloc, arXiv:2606.11164"
 _REASONALLOC_WHAT = (
     "layer budgets follow the profiled Reasoning Wave (demand^(1/tau), exact total); at each "

@@ -17,6 +17,7 @@ import torch
 from reasonkv.core.cache import CompressedCache, LayerPolicy
 from reasonkv.core.models import attention_modules, model_shape
 from reasonkv.core.policy.base import EMPTY, Observation, grouped_logits, masked_softmax
+from reasonkv.core.policy.contract import Scorer
 from reasonkv.core.policy.rope import unapply_rope
 from reasonkv.core.policy.schedules import NEVER
 from reasonkv.harness.analyze.revisits import (
@@ -34,7 +35,7 @@ from reasonkv.methods.api import install_attention
 
 
 @dataclass
-class Recorder:
+class Recorder(Scorer):
     """Scorer-shaped observer (the NEVER schedule: it never evicts). For every forward of every
     layer it computes the recorded queries' attention over the full cache. Survey mode (the
     first pass) only keeps each query's strongest far keys, for the persistent keys; the second
@@ -63,8 +64,8 @@ class Recorder:
     def score(self, obs, keys, values):  # pragma: no cover - NEVER schedule: no compression
         raise RuntimeError("the analyzer never evicts")
 
-    def on_step(self, step: Observation, keys: torch.Tensor, layer) -> None:
-        li = layer.layer_idx
+    def on_step(self, step: Observation, keys: torch.Tensor) -> None:
+        li = step.layer_idx
         idx = step.query_index[0]  # [s] this forward's queries
         if not self.survey and li in self.layers:  # every query: BeaconKV's buffer sees them all
             pos = step.query_positions[0] if step.query_positions is not None else idx
