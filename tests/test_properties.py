@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -225,13 +224,6 @@ def test_water_fill_with_a_floor_is_exact_and_within_bounds(weights, lo, fill) -
     check_water_fill(weights, lo, None, n * lo + round(fill * n * 300))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="water_fill over-commits when one round clips entries at both bounds: weights "
-    "[0]*8 + [1], total 9, lo 1, hi 2 give [1]*8 + [2] (sum 10). Only layer_budgets(hi=...) "
-    "reaches it; drop this mark once water_fill is fixed.",
-)
 @SETTINGS
 @given(weights=water_weights, lo=st.integers(0, 50), span=st.integers(0, 200), fill=st.floats(0, 1))
 @example(weights=[0.0] * 8 + [1.0], lo=1, span=1, fill=0.0)

@@ -40,7 +40,7 @@ def water_fill(weights: torch.Tensor, total: int, lo: int = 0, hi: int | None = 
     """Integers proportional to `weights` [n] within [lo, hi] that sum exactly to `total`.
 
     Clipped entries are fixed at their bound and the rest is shared again among the free
-    ones, until nothing violates a bound (at most n rounds).
+    ones, until nothing violates a bound (at most n rounds: each fixes at least one entry).
     """
     n = weights.numel()
     hi_v = float("inf") if hi is None else hi
@@ -58,6 +58,13 @@ def water_fill(weights: torch.Tensor, total: int, lo: int = 0, hi: int | None = 
         low, high = free & (values < lo), free & (values > hi_v)
         if not (low.any() or high.any()):
             break
+        if low.any() and high.any():
+            # Fix one side a round: the side with the larger violation is surely at its bound
+            # in the answer; fixing both at once can overshoot the total.
+            if (values[high] - hi_v).sum() > (lo - values[low]).sum():
+                low = torch.zeros_like(low)
+            else:
+                high = torch.zeros_like(high)
         fixed[low], fixed[high] = lo, hi_v
     out = largest_remainder(values, total)
     # Rounding can push a share that sat exactly on a bound by one unit; move it back.
