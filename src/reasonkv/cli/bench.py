@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
 
@@ -30,12 +29,12 @@ from reasonkv.cli.common import (
     positive_ints,
     progress_bar,
     split_list,
-    write_json_atomic,
 )
 from reasonkv.core.models import DEFAULT_MODEL, load_model
 from reasonkv.harness import bench
 from reasonkv.harness.demo import PROBLEM
 from reasonkv.methods.api import make_cache
+from reasonkv.util.records import utc_timestamp, write_json_atomic
 from reasonkv.util.runtime import quiet_loading, set_threads
 
 
@@ -177,7 +176,7 @@ def bench_command(
         "model": model_name,
         "attn": attn,
         "command": env + command_line("bench", parts),
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": utc_timestamp(),
         "threads": threads,
         "machine": machine,
         "runs_planned": [{"method": r.method, "budget": r.budget, "knobs": r.knobs} for r in runs],
@@ -185,7 +184,7 @@ def bench_command(
         "profiles": profiles,
         "process_max_rss": bench.max_rss(),
     }
-    write_json_atomic(record, out)
+    write_json_atomic(record, out, indent=1)
 
     console.print(bench.summary_table(record))
     console.print(bench.windows_table(record))

@@ -8,7 +8,6 @@ ValueError) before any slow work and hand the message to `fail`.
 
 from __future__ import annotations
 
-import json
 import shlex
 import typing
 from pathlib import Path
@@ -143,11 +142,3 @@ def command_line(command: str, parts: list[object]) -> str:
     """The shell command that reruns `command` with these options, for the saved record. Built
     from the parsed options, not sys.argv, which is not ours when the app is invoked from Python."""
     return f"reasonkv {command} " + " ".join(shlex.quote(str(a)) for a in parts)
-
-
-def write_json_atomic(record: dict, out: Path) -> None:
-    """Write through a temporary file, so an interrupted run never leaves half a file."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(out)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
 
@@ -30,12 +29,12 @@ from reasonkv.cli.common import (
     positive_ints,
     progress_bar,
     split_list,
-    write_json_atomic,
 )
 from reasonkv.core.models import DEFAULT_MODEL, load_model
 from reasonkv.harness.replay import BIN, BLOCK, plot_fidelity, replay_batch, replay_methods, summarize
 from reasonkv.harness.traces import load_traces, replay_input
 from reasonkv.methods.api import make_cache
+from reasonkv.util.records import utc_timestamp, write_json_atomic
 from reasonkv.util.runtime import quiet_loading, set_threads
 from reasonkv.util.tables import fill_table
 
@@ -144,11 +143,11 @@ def replay_command(
         "runs": [{"method": r.method, "budget": r.budget, "knobs": r.knobs} for r in runs],
         "wall_seconds": wall,
         "command": command_line("replay", parts),
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": utc_timestamp(),
         "summary": summary,
         "per_trace": [r.to_dict(bin_size, per_position) for r in results],
     }
-    write_json_atomic(record, out)
+    write_json_atomic(record, out, indent=1)
 
     table = Table(title=f"replay fidelity: {model_name}, {len(inputs)} traces, ≤{max_tokens} tokens")
     columns = ("method", "budget", "mean KL", "top-1", "ppl ratio", "tokens", "live/head", "seconds")

@@ -25,6 +25,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from reasonkv.util.records import pick_by_id
+
 DATA_DIR_ENV = "REASONKV_DATA_DIR"
 KNOWN = ("math500", "aime24", "aime25")
 
@@ -185,11 +187,7 @@ def load_problems_from(
             f"unknown dataset {text!r}: give a jsonl file (id, problem, answer) or one of {', '.join(KNOWN)}"
         )
     if ids is not None:
-        by_id = {r["id"]: r for r in rows}
-        unknown = [i for i in ids if i not in by_id]
-        if unknown:
-            raise ValueError(f"problem ids not in {text}: {', '.join(unknown)}")
-        rows = [by_id[i] for i in ids]
+        rows = pick_by_id(rows, ids, "problem", text)
     if limit is not None:
         if limit <= 0:
             raise ValueError(f"limit must be positive, got {limit}")

@@ -16,7 +16,6 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import ClassVar
 
@@ -31,6 +30,7 @@ from reasonkv.core.policy.schedules import NEVER
 from reasonkv.harness.traces import replay_input
 from reasonkv.methods.api import install_attention
 from reasonkv.methods.profiles import PROFILE_FORMAT, config_hash
+from reasonkv.util.records import utc_timestamp
 
 
 @dataclass
@@ -137,7 +137,7 @@ def profile_traces(
         "chunk": chunk,
         "stride": stride,
         "command": command or " ".join(sys.argv),
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": utc_timestamp(),
     }
 
 

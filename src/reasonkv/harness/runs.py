@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from reasonkv.core.cache import CompressedCache
+from reasonkv.util.records import write_json_atomic
 
 
 def run_record(cache: CompressedCache, **meta) -> dict:
@@ -31,12 +32,7 @@ def run_record(cache: CompressedCache, **meta) -> dict:
 
 
 def save_run(record: dict, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(path)
-    return path
+    return write_json_atomic(record, path)
 
 
 def load_run(path: str | Path) -> dict:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from reasonkv.util.records import pick_by_id
+
 
 @dataclass
 class ReplayInput:
@@ -48,11 +50,7 @@ def load_traces(
     if variant is not None:
         rows = [r for r in rows if r.get("variant", variant) == variant]
     if ids is not None:
-        by_id = {r["id"]: r for r in rows}
-        unknown = [i for i in ids if i not in by_id]
-        if unknown:
-            raise ValueError(f"trace ids not in {path}: {', '.join(unknown)}")
-        rows = [by_id[i] for i in ids]
+        rows = pick_by_id(rows, ids, "trace", path)
     return rows[:limit] if limit is not None else rows
 
 

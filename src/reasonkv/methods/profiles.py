@@ -8,6 +8,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from reasonkv.util.records import write_json_atomic
+
 PROFILE_FORMAT = 1
 PACKAGED_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 
@@ -32,12 +34,7 @@ def config_hash(config) -> str:
 
 
 def save_profile(profile: dict, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(profile, indent=1))
-    tmp.replace(path)  # atomic: an interrupted run never leaves half a profile
-    return path
+    return write_json_atomic(profile, path, indent=1)
 
 
 def load_profile(path: str | Path, config=None) -> dict:

@@ -1,1 +1,2 @@
-"""Small helpers with no reasonkv imports: threads, quiet loading, byte formatting, tables."""
+"""Small helpers with no reasonkv imports: threads, quiet loading, formatting,
+tables, JSON records."""

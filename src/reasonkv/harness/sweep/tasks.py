@@ -13,16 +13,12 @@ import json
 import time
 import traceback
 import zlib
-from datetime import datetime, timezone
 
 import torch
 
 from reasonkv.harness.sweep.units import Task, Unit
 from reasonkv.methods.api import make_cache
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+from reasonkv.util.records import utc_timestamp
 
 
 def _record(unit: Unit, status: str, **fields) -> dict:
@@ -39,7 +35,7 @@ def error_record(unit: Unit, err: BaseException, phase: str = "run") -> dict:
         traceback=tb[-4000:],
         timings={},
         source=unit.source,
-        finished=_now(),
+        finished=utc_timestamp(),
     )
 
 
@@ -111,7 +107,9 @@ def replay_task(model, tokenizer, task: Task) -> list[dict]:
             "task_units": len(pending),
             "task_traces": len(inputs),
         }
-        records.append(_record(u, "ok", metrics=metrics, timings=timings, source=u.source, finished=_now()))
+        records.append(
+            _record(u, "ok", metrics=metrics, timings=timings, source=u.source, finished=utc_timestamp())
+        )
     return records
 
 
@@ -180,5 +178,7 @@ def eval_task(model, tokenizer, task: Task) -> list[dict]:
             outputs=problem["outputs"],
         )
         timings = {"seconds": time.perf_counter() - start, "generate_seconds": result["generate_seconds"]}
-        records.append(_record(u, "ok", metrics=metrics, timings=timings, source=u.source, finished=_now()))
+        records.append(
+            _record(u, "ok", metrics=metrics, timings=timings, source=u.source, finished=utc_timestamp())
+        )
     return records
