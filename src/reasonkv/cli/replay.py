@@ -34,13 +34,10 @@ from reasonkv.core.models import DEFAULT_MODEL, load_model
 from reasonkv.harness.replay import BIN, BLOCK, plot_fidelity, replay_batch, replay_methods, summarize
 from reasonkv.harness.traces import load_traces, replay_input
 from reasonkv.methods.api import make_cache
+from reasonkv.util.formatting import format_or_dash
 from reasonkv.util.records import utc_timestamp, write_json_atomic
 from reasonkv.util.runtime import quiet_loading, set_threads
 from reasonkv.util.tables import fill_table
-
-
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def replay_command(
@@ -155,9 +152,9 @@ def replay_command(
         [
             row["method"],
             "-" if row["budget"] is None else str(row["budget"]),
-            _fmt(row["mean_kl"], ".4f"),
-            _fmt(row["top1"], ".3f"),
-            _fmt(row["ppl_ratio"], ".3f"),
+            format_or_dash(row["mean_kl"], ".4f"),
+            format_or_dash(row["top1"], ".3f"),
+            format_or_dash(row["ppl_ratio"], ".3f"),
             str(row["positions"]),
             f"{row['live_tokens']:.0f}",
             f"{row['seconds']:.1f}",

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reasonkv.harness.sweep.log import read_results
+from reasonkv.util.formatting import format_or_dash
 
 
 @dataclass
@@ -136,12 +137,6 @@ def summarize_results(records: list[dict]) -> list[Section]:
 
 
 # ---------------------------------------------------------------------- tables
-def _fmt(value, spec: str) -> str:
-    if value is None:
-        return "-"
-    return format(value, spec)
-
-
 COLUMNS = {
     "replay": [
         "method",
@@ -178,10 +173,10 @@ def cells(kind: str, row: dict) -> list[str]:
             budget,
             str(row["traces"]),
             str(row["positions"]),
-            _fmt(row["mean_kl"], ".4f"),
-            _fmt(row["top1"], ".3f"),
-            _fmt(row["ppl_ratio"], ".3f"),
-            _fmt(row["live_tokens"], ".0f"),
+            format_or_dash(row["mean_kl"], ".4f"),
+            format_or_dash(row["top1"], ".3f"),
+            format_or_dash(row["ppl_ratio"], ".3f"),
+            format_or_dash(row["live_tokens"], ".0f"),
             errors,
         ]
     return [
@@ -189,10 +184,10 @@ def cells(kind: str, row: dict) -> list[str]:
         budget,
         str(row["problems"]),
         str(row["samples"]),
-        _fmt(row["pass@1"], ".3f"),
-        _fmt(row["mean_length"], ".1f"),
-        _fmt(row["truncation_rate"], ".1%"),
-        _fmt(row["tokens_per_second"], ".1f"),
+        format_or_dash(row["pass@1"], ".3f"),
+        format_or_dash(row["mean_length"], ".1f"),
+        format_or_dash(row["truncation_rate"], ".1%"),
+        format_or_dash(row["tokens_per_second"], ".1f"),
         errors,
     ]
 

@@ -12,3 +12,8 @@ def format_bytes(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def format_or_dash(value: object, spec: str) -> str:
+    """format(value, spec), or '-' for a missing number (None)."""
+    return "-" if value is None else format(value, spec)

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 from reasonkv.harness.bench.runs import BASELINE
-from reasonkv.util.formatting import format_bytes
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+from reasonkv.util.formatting import format_bytes, format_or_dash
 
 
 def summary_table(record: dict, baseline: str = BASELINE):
@@ -45,14 +41,14 @@ def summary_table(record: dict, baseline: str = BASELINE):
                 "-" if r["budget"] is None else str(r["budget"]),
                 f"{r['windows'][0]['tokens_per_second']:.1f}",
                 f"{r['windows'][-1]['tokens_per_second']:.1f}",
-                _fmt(win_ratio, ".2f"),
+                format_or_dash(win_ratio, ".2f"),
                 format_bytes(last_mark.get("kv_bytes")),
-                _fmt(kv_ratio, ".3f"),
+                format_or_dash(kv_ratio, ".3f"),
                 format_bytes(r["peak_kv_bytes"]),
                 format_bytes(r["rss_peak_delta"]),
                 f"{100 * r['score_select_fraction']:.1f}%",
                 "-" if over is None else f"{100 * over:+.1f}%",
-                _fmt(r["top1_agreement"], ".3f"),
+                format_or_dash(r["top1_agreement"], ".3f"),
             ]
         )
     return fill_table(table, cols, rows)
