@@ -29,8 +29,8 @@ from reasonkv.cli.common import (
 from reasonkv.core.models import DEFAULT_MODEL, load_model
 from reasonkv.harness.demo import memory_summary, run_demo
 from reasonkv.harness.runs import run_record, save_run
+from reasonkv.methods.api import GREEDY, make_cache
 from reasonkv.methods.api import generate as generate_text
-from reasonkv.methods.api import make_cache
 from reasonkv.methods.knobs import check_knobs
 from reasonkv.methods.registry import METHODS, PROTECTION_KNOBS, MethodSpec, get_method
 from reasonkv.util.formatting import format_bytes
@@ -134,11 +134,11 @@ def generate_command(
 
     if seed is not None:
         torch.manual_seed(seed)
-    gen_kwargs: dict[str, object] = {"max_new_tokens": max_new_tokens, "do_sample": sample}
+    gen_kwargs: dict[str, object] = {"max_new_tokens": max_new_tokens}
     if sample:
-        gen_kwargs.update(temperature=temperature, top_p=top_p)
-    else:  # silence "temperature is set but do_sample=False" from the model's generation config
-        gen_kwargs.update(temperature=None, top_p=None, top_k=None)
+        gen_kwargs.update(do_sample=True, temperature=temperature, top_p=top_p)
+    else:
+        gen_kwargs.update(GREEDY)
     start = time.perf_counter()
     with err_console.status(f"generating with {method} (budget {budget})…"):
         texts, new_tokens = generate_text(model, tokenizer, prompt, cache=cache, chat=chat, **gen_kwargs)

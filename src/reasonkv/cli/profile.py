@@ -25,6 +25,7 @@ from reasonkv.cli.common import (
 from reasonkv.core.models import DEFAULT_MODEL, load_model
 from reasonkv.harness.profile import plot_wave, profile_traces
 from reasonkv.harness.traces import load_traces
+from reasonkv.methods.api import GREEDY
 from reasonkv.methods.api import generate as generate_text
 from reasonkv.methods.profiles import save_profile
 from reasonkv.util.runtime import quiet_loading, set_threads
@@ -42,10 +43,7 @@ def _generated_traces(
             tokenizer,
             row["problem"],
             max_new_tokens=max_tokens,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
+            **GREEDY,
         )
         rows.append({"id": str(row.get("id", len(rows))), "problem": row["problem"], "trace": texts[0]})
         progress.advance(task)

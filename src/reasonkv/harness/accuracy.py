@@ -18,7 +18,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from reasonkv.harness.answers import extract_boxed, is_correct
-from reasonkv.methods.api import make_cache
+from reasonkv.methods.api import GREEDY, make_cache
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 THINK_CLOSE = "\n</think>\n\n"
@@ -165,8 +165,8 @@ def evaluate(
 
     eos = eos_ids(model, tokenizer)
     pad = getattr(tokenizer, "pad_token_id", None)
-    if greedy:  # None overrides a sampling setup in the model's own generation config
-        sampling = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    if greedy:
+        sampling = dict(GREEDY)
     else:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": None}
     sampling["pad_token_id"] = pad

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from reasonkv.core.models import DEFAULT_MODEL, load_model
-from reasonkv.methods.api import generate, make_cache
+from reasonkv.methods.api import GREEDY, generate, make_cache
 from reasonkv.methods.registry import get_method
 from reasonkv.util.formatting import format_bytes
 from reasonkv.util.runtime import quiet_loading, set_threads
@@ -92,10 +92,7 @@ def run_method(model, tokenizer, method: str, budget: int, prompt: str, max_new_
         prompt,
         cache=cache,
         max_new_tokens=max_new_tokens,
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
+        **GREEDY,
     )
     seconds = time.perf_counter() - start
     return DemoRun(method, new[0].tolist(), texts[0], seconds, memory_summary(cache))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 from reasonkv.core import attention
@@ -97,6 +99,11 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
     return CompressedCache(
         budgets, policy, method=method, attention_modules=modules, scaling=float(modules[0].scaling)
     )
+
+
+GREEDY = MappingProxyType({"do_sample": False, "temperature": None, "top_p": None, "top_k": None})
+"""`generate` keywords for greedy decoding: the None values override a sampling setup in the
+model's own generation config (which would otherwise warn that it is ignored)."""
 
 
 def generate(
