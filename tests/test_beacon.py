@@ -185,23 +185,45 @@ def test_a_point_identical_to_a_beacon_is_never_added_twice() -> None:
 
 
 # ----------------------------------------------------------------------- buffer upkeep
-@pytest.mark.parametrize("upkeep_every", [1, 3, 32])
-def test_queries_enter_the_buffer_when_they_leave_the_recent_window(upkeep_every: int) -> None:
+FEEDS = [
+    ("query_head", "all", 1),
+    ("query_head", "all", 3),
+    ("query_head", "all", 32),
+    ("kv_head", "all", 1),
+    ("kv_head", "all", 32),
+    ("query_head", "generated", 3),
+    ("query_head", "no_sinks", 3),
+]
+
+
+@pytest.mark.parametrize(("scope", "feed", "upkeep_every"), FEEDS)
+def test_queries_enter_the_buffer_when_they_leave_the_recent_window(scope, feed, upkeep_every) -> None:
     """Steps of several sizes (a left-padded prefill, single decode steps, a chunk) driven as the
     cache drives them: on_step sees the step's queries with the previous window untouched, then
     the cache's own window update keeps the newest `recent` queries and `query_backlog` before
-    them; the older ones (rotated back to pre-RoPE, padding excluded, G points per KV head) go
-    through continual FPS exactly as the one-at-a-time reference says, whether they are fed at
-    once or queued in the backlog and flushed in batches (`upkeep_every`, the queue never longer
-    than that)."""
+    them; the older ones (rotated back to pre-RoPE, padding excluded) go through continual FPS
+    exactly as a one-buffer-at-a-time reference says: each query head's own queries into its own
+    buffer ("query_head"), or the group's G heads as G points per KV head ("kv_head"); under
+    "generated" prompt queries never enter, under "no_sinks" the first 3 positions never do.
+    Whether they are fed at once or queued and flushed in batches (`upkeep_every`) changes nothing."""
     rotary = LlamaRotaryEmbedding(rope_config("yarn"))
-    scorer = BeaconKVScorer(beacon_max=10, beacon_min=4, recent=5, upkeep_every=upkeep_every)
+    scorer = BeaconKVScorer(
+        beacon_max=10, beacon_min=4, recent=5, upkeep_every=upkeep_every, beacon_scope=scope, beacon_feed=feed
+    )
     b, h, grp = 2, 2, 2
     gen = torch.Generator().manual_seed(5)
     window, group = QueryWindow(), [None]  # the layer's query window; this layer alone in its group
-    view = SimpleNamespace(shape=(b, h, D, torch.device("cpu")), window=window, scorer_states=group)
+    view = SimpleNamespace(
+        shape=(b, h, D, torch.device("cpu")),
+        window=window,
+        scorer_states=group,
+        n_query_heads=h * grp,
+        n_sink=3,
+    )
     state = group[0] = scorer.new_state(view)
-    refs = [[ReferenceBuffer(10, 4) for _ in range(h)] for _ in range(b)]
+    buffers = h * grp if scope == "query_head" else h
+    refs = [[ReferenceBuffer(10, 4) for _ in range(buffers)] for _ in range(b)]
+    prompt_len = 12
     history: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pre-RoPE [B, Hq, D], index [B]) per query
     pads = [0, 3]
     seen = 0
@@ -225,25 +247,30 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window(upkeep_every
             rope_attention_scaling=rotary.attention_scaling,
             scorer_state=state,
         )
+        if window.prompt_end is None:  # the cache labels the first forward as the prompt
+            window.prompt_end = torch.full((b,), prompt_len)
         window_before = (window.queries, window.query_index, window.query_positions)
         scorer.on_step(step, torch.zeros(b, h, 1, D))
         window_after = (window.queries, window.query_index, window.query_positions)
         assert all(a is b_ for a, b_ in zip(window_after, window_before, strict=True))  # read, never trimmed
         keep = scorer.window + scorer.query_backlog
         window.keep(post, index, positions, keep)  # the cache's update
-        history += [(pre[:, :, i], index[:, i]) for i in range(q)]
+        history += [(pre[:, :, i], index[:, i], positions[:, i]) for i in range(q)]
         seen += q
         leaving = history[: len(history) - 5]
         history = history[len(history) - 5 :]
-        for vec, idx in leaving:
+        for vec, idx, pos in leaving:
             for r in range(b):
-                if idx[r] < 0:
+                if (
+                    idx[r] < 0
+                    or (feed == "generated" and idx[r] < prompt_len)
+                    or (feed == "no_sinks" and pos[r] < 3)
+                ):
                     continue
-                for kv in range(h):
-                    for g_ in range(grp):
-                        refs[r][kv].add(vec[r, kv * grp + g_].tolist())
+                for head in range(h * grp):  # query heads in order; a KV head's G heads are adjacent
+                    refs[r][head if scope == "query_head" else head // grp].add(vec[r, head].tolist())
         assert window.queries.shape[2] == min(seen, keep)
-        assert torch.equal(window.query_index[:, -5:], torch.stack([i for _, i in history], 1))
+        assert torch.equal(window.query_index[:, -5:], torch.stack([i for _, i, _ in history], 1))
         assert state.pending <= upkeep_every
         if step_no % 3 != 2 and step_no != len(sizes) - 1:
             continue  # let the queue build up across steps before reading the buffers
@@ -251,7 +278,7 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window(upkeep_every
         assert state.pending == 0
         count = state.count
         for r in range(b):
-            for kv in range(h):
+            for kv in range(buffers):
                 assert int(count[r, kv]) == len(refs[r][kv].points)
                 if refs[r][kv].points:
                     torch.testing.assert_close(
@@ -299,10 +326,12 @@ def reference_scores(obs: Observation, keys: torch.Tensor, aggregation: str) -> 
                         and obs.token_index[r, kv, j] <= obs.query_index[r, i]
                     ]
                     rows.append((q, allowed))
-            for m in range(int(obs.scorer_state.count[r, kv])):
-                beacon = obs.scorer_state.beacons[r, kv, m].tolist()
-                q = rope_by_hand(beacon, now, inv, obs.rope_attention_scaling)
-                rows.append((q, [j for j in range(t) if obs.token_index[r, kv, j] != EMPTY]))
+            st = obs.scorer_state
+            per_query_head = st.beacons.shape[1] == hq  # else one shared buffer per KV head
+            for buf in range(kv * grp, (kv + 1) * grp) if per_query_head else [kv]:
+                for m in range(int(st.count[r, buf])):
+                    q = rope_by_hand(st.beacons[r, buf, m].tolist(), now, inv, obs.rope_attention_scaling)
+                    rows.append((q, [j for j in range(t) if obs.token_index[r, kv, j] != EMPTY]))
             for q, allowed in rows:
                 logits = {
                     j: sum(x * y for x, y in zip(q, keys[r, kv, j].tolist(), strict=True)) * obs.scaling
@@ -319,10 +348,11 @@ def reference_scores(obs: Observation, keys: torch.Tensor, aggregation: str) -> 
     return out
 
 
-def hand_made_case(seed: int = 6) -> tuple[Observation, torch.Tensor]:
+def hand_made_case(seed: int = 6, per_query_head: bool = False) -> tuple[Observation, torch.Tensor]:
     """B=2, H=2, G=2, W=4, T=14, M=6. Row 1: a padding slot in front, a ragged EMPTY tail on
     head 1, its oldest recent query is padding, positions shifted (left padding); the
-    heads hold different numbers of beacons (one holds none)."""
+    buffers (one per KV head, or one per query head) hold different numbers of beacons (one
+    holds none)."""
     g = torch.Generator().manual_seed(seed)
     b, h, grp, w, t, m = 2, 2, 2, 4, 14, 6
     index = torch.arange(t).expand(b, h, t).clone()
@@ -340,8 +370,8 @@ def hand_made_case(seed: int = 6) -> tuple[Observation, torch.Tensor]:
         scaling=D**-0.5,
         query_positions=positions,
         scorer_state=BeaconState(  # no group: scoring feeds nothing, the buffers are as given
-            beacons=torch.randn(b, h, m, D, generator=g) * 2,
-            count=torch.tensor([[6, 0], [2, 5]]),
+            beacons=torch.randn(b, h * grp if per_query_head else h, m, D, generator=g) * 2,
+            count=torch.tensor([[6, 0, 3, 1], [2, 5, 0, 6]] if per_query_head else [[6, 0], [2, 5]]),
             window=QueryWindow(),
             group=[],
         ),
@@ -352,9 +382,10 @@ def hand_made_case(seed: int = 6) -> tuple[Observation, torch.Tensor]:
 
 
 @pytest.mark.parametrize("aggregation", ["max", "mean"])
-def test_beacon_scores_and_kept_tokens_match_the_loop_reference(aggregation: str) -> None:
-    obs, keys = hand_made_case()
-    scorer = BeaconKVScorer(aggregation=aggregation, recent=4)
+@pytest.mark.parametrize("scope", ["query_head", "kv_head"])
+def test_beacon_scores_and_kept_tokens_match_the_loop_reference(aggregation: str, scope: str) -> None:
+    obs, keys = hand_made_case(per_query_head=scope == "query_head")
+    scorer = BeaconKVScorer(aggregation=aggregation, recent=4, beacon_scope=scope)
     got = scorer.score(obs, keys, keys)
     ref = reference_scores(obs, keys, aggregation)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
@@ -420,12 +451,14 @@ def test_beaconkv_without_eviction_equals_dynamic_cache() -> None:
     assert int(cache.layers[0].states.scorer.count.min()) > 0  # the buffers were kept all along
 
 
-def test_repeated_token_gives_one_beacon_per_query_head() -> None:
+@pytest.mark.parametrize(("scope", "counts"), [("query_head", [[1, 1, 1, 1]]), ("kv_head", [[2, 2]])])
+def test_repeated_token_gives_one_beacon_per_query_head(scope: str, counts: list) -> None:
     """Layer 0's pre-RoPE query depends on the token only, so a prompt of one repeated token
-    has G distinct pre-RoPE queries per KV head; recovered from post-RoPE queries at 60
-    different positions (rope-scaled model), they must all be recognised as the same."""
+    has one pre-RoPE query per query head (G per KV head); recovered from post-RoPE queries at
+    60 different positions (rope-scaled model), they must all be recognised as the same: one
+    beacon in each query head's buffer, or G in each KV head's shared one."""
     model = build_tiny_model("llama", "sdpa", seed=0, init_range=0.02, rope_parameters=dict(ROPES["yarn"]))
-    cache = make_cache(model, "beaconkv", 512)
+    cache = make_cache(model, "beaconkv", 512, beacon_scope=scope)
     with torch.no_grad():
         model(input_ids=torch.full((1, 60), 5), cache=cache)
         for _ in range(5):
@@ -434,7 +467,7 @@ def test_repeated_token_gives_one_beacon_per_query_head() -> None:
     policy.scorer.flush(cache.layers[0].states.scorer, policy.rope_inv_freq, policy.rope_attention_scaling)
     # Identical tokens give identical values, so every layer sees one hidden state per token.
     for layer in cache.layers:
-        assert layer.states.scorer.count.tolist() == [[2, 2]]
+        assert layer.states.scorer.count.tolist() == counts
         # ... while the post-RoPE queries of those positions are all different directions.
         post = layer.queries[0, 0]  # [recent + backlog, D]
         unit = post / post.norm(dim=-1, keepdim=True)

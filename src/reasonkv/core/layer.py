@@ -60,6 +60,8 @@ class _View:
     live_upper = property(lambda self: self._layer.live_upper)
     seen = property(lambda self: self._layer.seen)
     n_recent = property(lambda self: self._layer.policy.n_recent)
+    n_sink = property(lambda self: self._layer.policy.n_sink)
+    n_query_heads = property(lambda self: self._layer.n_query_heads)
     window = property(lambda self: self._layer.window)
     scorer_states = property(lambda self: self._layer.scorer_states)
 
@@ -225,6 +227,7 @@ class CompressedLayer(CacheLayerMixin):
         policy, storage = self.policy, self.storage
         index, positions = self.window.label(query, self.new_start, self._new_valid, positions)
         if not self._states_made:
+            self.n_query_heads = query.shape[1]
             self._new_states()
         keys = storage.keys[:, :, : storage.used]
         if self._observes_steps:

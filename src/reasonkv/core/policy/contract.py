@@ -84,6 +84,10 @@ class LayerView(Protocol):
     @property
     def n_recent(self) -> int: ...  # the protected recent window
     @property
+    def n_sink(self) -> int: ...  # the protected first real tokens
+    @property
+    def n_query_heads(self) -> int: ...  # attention heads (H * G)
+    @property
     def shape(self) -> tuple[int, int, int, torch.device]: ...  # batch, KV heads, head dim, device
     @property
     def window(self) -> QueryWindowView: ...

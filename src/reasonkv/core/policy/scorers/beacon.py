@@ -1,22 +1,27 @@
 """BeaconKV (Kim et al., ICML 2026, arXiv 2609.04971): score keys with beacon queries.
 
 Long chains of thought revisit old context at sparse, unpredictable steps, and the queries
-that do so cluster in pre-RoPE space. So besides the `recent` newest queries, each KV head
-keeps a small buffer of diverse old queries ("beacons"), maintained by continual
-farthest-point sampling (FPS) with cosine distance: a query enters the buffer when it
-leaves the recent window; when the buffer reaches `beacon_max` it shrinks to `beacon_min`
-by greedy FPS seeded with the newest point. At scoring time beacons are rotated to the
-current position (as if issued now), recent queries keep their own positions, and
+that do so cluster in pre-RoPE space. So besides the `recent` newest queries, every attention
+(query) head keeps a small buffer of its own diverse old queries ("beacons"), maintained by
+continual farthest-point sampling (FPS) with cosine distance: a query enters its head's
+buffer when it leaves the recent window; when the buffer reaches `beacon_max` it shrinks to
+`beacon_min` by greedy FPS seeded with the newest point. At scoring time beacons are rotated
+to the current position (as if issued now), recent queries keep their own positions, each
+query head scores the keys of its KV head with its beacons and recent queries, and a KV
+head's score is the max over its group:
 
-    s_j = max over q in beacons ∪ recent, over the group's query heads, of softmax_j(q·k_j/√d)
+    s_j = max over query heads g of the group, over q in beacons_g ∪ recent_g, of softmax_j(q·k_j/√d)
 
 (softmax over the head's real keys, causal for recent queries; `aggregation="mean"`
-averages instead). Sinks and recent tokens are protected by the cache; the schedule is the
-max/min threshold (at B_max evict B_max/8).
+averages over all those points instead). Sinks and recent tokens are protected by the
+cache; the schedule is the max/min threshold (at B_max evict B_max/8).
 
-Where the paper is silent: one buffer per KV head with the group's G query heads pooled
-(each head's vector is a point); points identical in direction (cosine distance 0) to a
-held beacon are not added again; FPS ties go to the older point; no token pooling by default.
+`beacon_scope="kv_head"` keeps one buffer per KV head fed by its G query heads (each head's
+vector is a point), for the ablation. `beacon_feed` says which queries may become beacons:
+all, only generated ones, or all but the first `n_sink` positions (the position-0 query is an
+outlier that FPS never drops). Where the paper is silent: points identical in direction
+(cosine distance 0) to a held beacon are not added again; FPS ties go to the older point; no
+token pooling by default.
 """
 
 from __future__ import annotations
@@ -109,10 +114,11 @@ def add_points(
 class BeaconState(PolicyState):
     """One layer's beacon buffers and the bookkeeping of its queue of leaving queries."""
 
-    beacons: torch.Tensor  # [B, H, M, D] pre-RoPE, fp32, arrival order
-    count: torch.Tensor  # [B, H] points held
+    beacons: torch.Tensor  # [B, X, M, D] pre-RoPE, fp32, arrival order; X = query or KV heads
+    count: torch.Tensor  # [B, X] points held
     window: QueryWindowView  # the layer's query window (the queue lives in its backlog)
     group: list  # every layer's scorer state: queues are fed for all layers in one pass
+    n_sink: int = 0  # positions below this never feed the buffers under beacon_feed="no_sinks"
     pending: int = 0  # queued queries; below 0 when scoring fed the next leaving ones ahead
     forwards: int = 0
     step_size: int = 0  # queries in the layer's latest forward
@@ -133,6 +139,8 @@ class BeaconKVScorer(Scorer):
     chunks equals FPS fed one point at a time (`add_points`), so the beacons do not depend on
     it. The queue is the cache's own query history (`query_backlog`), so a decode step only
     counts: no tensor op per layer."""
+    beacon_scope: Literal["query_head", "kv_head"] = "query_head"
+    beacon_feed: Literal["all", "generated", "no_sinks"] = "all"
 
     def __post_init__(self) -> None:
         if not 1 <= self.beacon_min < self.beacon_max:
@@ -145,6 +153,12 @@ class BeaconKVScorer(Scorer):
             raise ValueError(f"aggregation must be 'max' or 'mean', got {self.aggregation!r}")
         if self.upkeep_every < 1:
             raise ValueError(f"upkeep_every must be at least 1, got {self.upkeep_every}")
+        if self.beacon_scope not in ("query_head", "kv_head"):
+            raise ValueError(f"beacon_scope must be 'query_head' or 'kv_head', got {self.beacon_scope!r}")
+        if self.beacon_feed not in ("all", "generated", "no_sinks"):
+            raise ValueError(
+                f"beacon_feed must be 'all', 'generated' or 'no_sinks', got {self.beacon_feed!r}"
+            )
 
     @property
     def window(self) -> int:
@@ -158,11 +172,13 @@ class BeaconKVScorer(Scorer):
 
     def new_state(self, view: LayerView) -> BeaconState:
         b, h, d, device = view.shape
+        x = view.n_query_heads if self.beacon_scope == "query_head" else h
         return BeaconState(
-            beacons=torch.zeros(b, h, self.beacon_max, d, device=device),
-            count=torch.zeros(b, h, dtype=torch.long, device=device),
+            beacons=torch.zeros(b, x, self.beacon_max, d, device=device),
+            count=torch.zeros(b, x, dtype=torch.long, device=device),
             window=view.window,
             group=view.scorer_states,
+            n_sink=view.n_sink,
         )
 
     # ------------------------------------------------------------- buffer upkeep
@@ -280,11 +296,20 @@ class BeaconKVScorer(Scorer):
             index = torch.cat([F.pad(q[1], (0, n - q[1].shape[1]), value=-1) for q in queues])
             positions = torch.cat([F.pad(q[2], (0, n - q[2].shape[1])) for q in queues])
         b, hq, _, d = leaving.shape
-        h = members[0].beacons.shape[1]
-        g = hq // h
         pre = unapply_rope(leaving, positions[:, None], inv_freq, attention_scaling)
-        points = pre.reshape(b, h, g, n, d).transpose(2, 3).reshape(b, h, n * g, d)
-        valid = (index >= 0)[:, None, :, None].expand(b, h, n, g).reshape(b, h, -1)
+        fed = index >= 0  # [B', n] padding never enters
+        if self.beacon_feed == "generated":
+            prompt_end = torch.cat([m.window.prompt_end for m in members])
+            fed = fed & (index >= prompt_end[:, None])
+        elif self.beacon_feed == "no_sinks":
+            fed = fed & (positions >= members[0].n_sink)
+        if self.beacon_scope == "query_head":  # each query head feeds its own buffer
+            points, valid = pre, fed[:, None, :].expand(b, hq, n)
+        else:  # one buffer per KV head: the group's G heads are G points per query
+            h = members[0].beacons.shape[1]
+            g = hq // h
+            points = pre.reshape(b, h, g, n, d).transpose(2, 3).reshape(b, h, n * g, d)
+            valid = fed[:, None, :, None].expand(b, h, n, g).reshape(b, h, -1)
         if len(members) == 1:
             beacons, count = members[0].beacons, members[0].count
         else:
@@ -306,14 +331,16 @@ class BeaconKVScorer(Scorer):
         parts = [probs.reshape(b, h, g * w, t)]
         n_points = (obs.query_valid.sum(-1) * g)[:, None].expand(b, h)
         if st is not None and bool(st.count.any()):
-            beacons, count = st.beacons, st.count
+            beacons, count = st.beacons, st.count  # [B, X, M, D], X = H or H*G
             positions = obs.query_positions if obs.query_positions is not None else obs.query_index
             now = torch.where(obs.query_valid, positions, -1).amax(-1).clamp(min=0)  # newest query's position
             rotated = apply_rope(beacons, now[:, None, None], obs.rope_inv_freq, obs.rope_attention_scaling)
+            held = torch.arange(beacons.shape[2], device=keys.device) < count[..., None]  # [B, X, M]
+            # A query head's beacons score the keys of its KV head: group them as G·M points.
+            rotated, held = rotated.reshape(b, h, -1, rotated.shape[-1]), held.reshape(b, h, -1)
             logits = torch.einsum("bhmd,bhtd->bhmt", rotated, keys.float()) * obs.scaling
-            held = torch.arange(beacons.shape[2], device=keys.device) < count[..., None]  # [B, H, M]
             parts.append(masked_softmax(logits, held[..., None] & obs.key_valid[:, :, None, :]))
-            n_points = n_points + count
+            n_points = n_points + count.reshape(b, h, -1).sum(-1)
         probs = torch.cat(parts, dim=2)  # every observation point: [B, H, P, T], zeros for absent ones
         if self.aggregation == "max":
             scores = probs.amax(dim=2) if probs.shape[2] else probs.new_zeros(b, h, t)
