@@ -179,7 +179,7 @@ def bench_command(
         "created": utc_timestamp(),
         "threads": threads,
         "machine": machine,
-        "runs_planned": [{"method": r.method, "budget": r.budget, "knobs": r.knobs} for r in runs],
+        "runs_planned": [r.to_dict() for r in runs],
         **record,
         "profiles": profiles,
         "process_max_rss": bench.max_rss(),

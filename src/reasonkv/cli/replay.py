@@ -137,7 +137,7 @@ def replay_command(
         "max_tokens": max_tokens,
         "bin_size": bin_size,
         "block": BLOCK,
-        "runs": [{"method": r.method, "budget": r.budget, "knobs": r.knobs} for r in runs],
+        "runs": [r.to_dict() for r in runs],
         "wall_seconds": wall,
         "command": command_line("replay", parts),
         "created": utc_timestamp(),

@@ -108,6 +108,10 @@ class ReplayRun:
     def label(self) -> str:
         return self.method if self.budget is None else f"{self.method}@{self.budget}"
 
+    def to_dict(self) -> dict:
+        """The run as saved in every record: method, budget, knobs."""
+        return {"method": self.method, "budget": self.budget, "knobs": dict(self.knobs)}
+
 
 @dataclass
 class ReplayResult:
@@ -141,9 +145,7 @@ class ReplayResult:
     def to_dict(self, bin_size: int = BIN, per_position: bool = False) -> dict:
         out = {
             "trace": self.trace_id,
-            "method": self.run.method,
-            "budget": self.run.budget,
-            "knobs": dict(self.run.knobs),
+            **self.run.to_dict(),
             "prompt_len": self.prompt_len,
             **metrics(self.sums()),
             "live_tokens": self.live_tokens,
@@ -228,9 +230,7 @@ def summarize(results: list[ReplayResult], bin_size: int = BIN) -> list[dict]:
         weights = [r.positions for r in group]
         rows.append(
             {
-                "method": run.method,
-                "budget": run.budget,
-                "knobs": dict(run.knobs),
+                **run.to_dict(),
                 "label": run.label,
                 "traces": len(group),
                 **metrics(total),

@@ -12,7 +12,6 @@ from reasonkv.harness.bench.decode import (
     SAMPLE_EVERY,
     DecodeTrace,
     Progress,
-    decode,
     decode_many,
     eos_ids,
     reference_tokens,
@@ -41,9 +40,7 @@ def _result(
     agree = (trace.predicted[: n - 1] == tokens[1:n].cpu()).double()
     samples = trace.samples
     return {
-        "method": run.method,
-        "budget": run.budget,
-        "knobs": dict(run.knobs),
+        **run.to_dict(),
         "label": run.label,
         "steps": n,
         "prefill_seconds": trace.prefill_seconds,
@@ -102,10 +99,16 @@ def measure_runs(
     n = max(lengths)
     suppress = eos_ids(model)
     caches = caches if caches is not None else [None] * len(runs)
-    if interleave:
+    pairs = list(zip(runs, caches, strict=True))
+    if interleave:  # one decode pass advances every run
+        passes = [("all runs, interleaved", pairs)]
+    else:  # one pass per run
+        passes = [(run.label, [(run, c)]) for run, c in pairs]
+    results = []
+    for label, group in passes:
         release_memory()
-        timed = [_timed_cache(model, run, c) for run, c in zip(runs, caches, strict=True)]
-        tick = None if progress is None else (lambda k: progress("all runs, interleaved", k))
+        timed = [_timed_cache(model, run, c) for run, c in group]
+        tick = None if progress is None else (lambda k, label=label: progress(label, k))
         traces = decode_many(
             model,
             [c for c, _ in timed],
@@ -117,27 +120,10 @@ def measure_runs(
             suppress=suppress,
             progress=tick,
         )
-        return [
+        results += [
             _result(run, c, t, tr, tokens, n, window)
-            for run, (c, t), tr in zip(runs, timed, traces, strict=True)
+            for (run, _), (c, t), tr in zip(group, timed, traces, strict=True)
         ]
-    results = []
-    for run, given in zip(runs, caches, strict=True):
-        release_memory()
-        cache, timer = _timed_cache(model, run, given)
-        tick = None if progress is None else (lambda k, label=run.label: progress(label, k))
-        trace = decode(
-            model,
-            cache,
-            prompt_ids,
-            n,
-            forced=tokens,
-            marks=lengths,
-            sample_every=sample_every,
-            suppress=suppress,
-            progress=tick,
-        )
-        results.append(_result(run, cache, timer, trace, tokens, n, window))
     return results
 
 
