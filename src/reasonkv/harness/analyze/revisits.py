@@ -98,6 +98,18 @@ def key_masks(
     return visible, counted, far
 
 
+def _counted_attention(
+    attn: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    rule: RevisitRule,
+    excluded: torch.Tensor | None,
+) -> torch.Tensor:
+    """attn [..., T] with zeros on the keys that are not counted (unseen, sinks, excluded)."""
+    _, counted, _ = key_masks(query_pos, key_pos, rule, excluded)
+    return torch.where(counted, attn, attn.new_zeros(()))
+
+
 def eligible(query_pos: torch.Tensor, rule: RevisitRule) -> torch.Tensor:
     """bool [...]: a non-sink key at distance ≥ D exists for the query."""
     return query_pos - rule.distance >= rule.n_sink
@@ -135,9 +147,8 @@ def far_fraction(
     excluded: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """f [...]: mass of the top_k far keys / mass on keys not excluded (0 when that is 0)."""
-    _, counted, _ = key_masks(query_pos, key_pos, rule, excluded)
     zero = attn.new_zeros(())
-    total = torch.where(counted, attn, zero).sum(-1)
+    total = _counted_attention(attn, query_pos, key_pos, rule, excluded).sum(-1)
     far_mass = far_keys(attn, query_pos, key_pos, rule, excluded)[1].sum(-1)
     return torch.where(total > 0, far_mass / total.clamp(min=torch.finfo(attn.dtype).tiny), zero)
 
@@ -264,11 +275,10 @@ def distance_histogram(
     """[..., bins]: each query's counted attention mass (sinks and excluded keys aside) by
     distance bin, normalised to sum 1 (all zero when nothing is counted). Bin i holds
     distances in [edges[i], edges[i+1])."""
-    _, counted, _ = key_masks(query_pos, key_pos, rule, excluded)
     dist = (query_pos[..., None] - key_pos).clamp(min=0)
     n_bins = edges.numel() - 1
     bins = (torch.bucketize(dist, edges.to(dist.device), right=True) - 1).clamp(0, n_bins - 1)
-    mass = torch.where(counted, attn, attn.new_zeros(()))
+    mass = _counted_attention(attn, query_pos, key_pos, rule, excluded)
     out = attn.new_zeros(*mass.shape[:-1], n_bins)
     out.scatter_add_(-1, bins.expand_as(mass), mass)
     total = out.sum(-1, keepdim=True)
@@ -283,8 +293,7 @@ def mean_distance(
     excluded: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[...]: attention-weighted mean of query_pos − key_pos over counted keys (0 when none)."""
-    _, counted, _ = key_masks(query_pos, key_pos, rule, excluded)
-    mass = torch.where(counted, attn, attn.new_zeros(()))
+    mass = _counted_attention(attn, query_pos, key_pos, rule, excluded)
     dist = (query_pos[..., None] - key_pos).clamp(min=0).to(attn.dtype)
     total = mass.sum(-1)
     return torch.where(total > 0, (mass * dist).sum(-1) / total.clamp(min=1e-30), total)
