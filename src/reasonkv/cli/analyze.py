@@ -16,10 +16,11 @@ from reasonkv.cli.common import (
     SharedSetsOption,
     TracesOption,
     build_runs,
+    check_runs_build,
     command_line,
     console,
-    err_console,
     fail,
+    loading_status,
     parse_sets,
     progress_bar,
     split_list,
@@ -27,9 +28,8 @@ from reasonkv.cli.common import (
 from reasonkv.core.models import DEFAULT_MODEL, load_model
 from reasonkv.harness.analyze import RevisitRule, analyze_trace, default_distance, write_report
 from reasonkv.harness.traces import load_traces, replay_input
-from reasonkv.methods.api import make_cache
 from reasonkv.methods.profiles import find_profile, load_profile
-from reasonkv.util.runtime import quiet_loading, set_threads
+from reasonkv.util.runtime import set_threads
 
 
 def _int_list(text: str | None, what: str) -> list[int] | None:
@@ -117,7 +117,7 @@ def analyze_command(
         # Checked now with a placeholder D, so a bad φ/σ/k fails before the model loads.
         RevisitRule(distance or 1, fraction, n_sink, top_k, persistent or None)
         set_threads()
-        with err_console.status(f"loading {model_name}…"), quiet_loading():
+        with loading_status(model_name):
             model, tokenizer = load_model(model_name)
         n_layers = model.config.num_hidden_layers
         n_kv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
@@ -130,8 +130,7 @@ def analyze_command(
         if n - inp.prompt_len < 2:
             raise CliError(f"trace {row['id']} is too short to analyse (under 2 trace tokens)")
         rule = RevisitRule(distance or default_distance(n), fraction, n_sink, top_k, persistent or None)
-        for run in runs:  # build each cache once: budget/knob errors surface before any work
-            make_cache(model, run.method, run.budget, **run.knobs)
+        check_runs_build(model, runs)
     except (CliError, ValueError, FileNotFoundError) as err:
         fail(str(err))
 

@@ -21,10 +21,11 @@ from reasonkv.cli.common import (
     SharedSetsOption,
     build_runs,
     check_attn,
+    check_runs_build,
     command_line,
     console,
-    err_console,
     fail,
+    loading_status,
     parse_sets,
     positive_ints,
     progress_bar,
@@ -33,9 +34,8 @@ from reasonkv.cli.common import (
 from reasonkv.core.models import DEFAULT_MODEL, load_model
 from reasonkv.harness import bench
 from reasonkv.harness.demo import PROBLEM
-from reasonkv.methods.api import make_cache
 from reasonkv.util.records import utc_timestamp, write_json_atomic
-from reasonkv.util.runtime import quiet_loading, set_threads
+from reasonkv.util.runtime import set_threads
 
 
 def profile_table(profiles: list[dict]) -> Table:
@@ -124,10 +124,9 @@ def bench_command(
             runs.insert(0, bench.BenchRun("full"))
         runs.sort(key=lambda r: r.method != "full")  # full first: every ratio is to it
         threads = set_threads()
-        with err_console.status(f"loading {model_name}…"), quiet_loading():
+        with loading_status(model_name):
             model, tokenizer = load_model(model_name, attn_implementation=attn)
-        for run in runs:  # budget errors (below the protected window) surface before any work
-            make_cache(model, run.method, run.budget, **run.knobs)
+        check_runs_build(model, runs)
         prompt_ids = bench.prompt_input(tokenizer, prompt)
     except (CliError, ValueError, FileNotFoundError) as err:
         fail(str(err))

@@ -8,8 +8,10 @@ ValueError) before any slow work and hand the message to `fail`.
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -19,8 +21,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from reasonkv.harness.replay import ReplayRun
+from reasonkv.methods.api import make_cache
 from reasonkv.methods.knobs import knobs_for_methods
 from reasonkv.methods.registry import get_method
+from reasonkv.util.runtime import quiet_loading
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -131,7 +135,21 @@ def build_runs(methods: list[str], budgets: list[int], knobs: dict[str, object])
     return runs
 
 
+def check_runs_build(model, runs: list[ReplayRun]) -> None:
+    """Build each run's cache once and drop it, so a bad budget (below the protected window)
+    or knob fails with a one-line error before any slow work."""
+    for run in runs:
+        make_cache(model, run.method, run.budget, **run.knobs)
+
+
 # ----------------------------------------------------------------- output
+@contextlib.contextmanager
+def loading_status(model_name: str) -> Iterator[None]:
+    """While a model loads: a spinner on stderr that names it, the libraries' own bars hidden."""
+    with err_console.status(f"loading {model_name}…"), quiet_loading():
+        yield
+
+
 def progress_bar(transient: bool = False) -> Progress:
     """A progress bar on stderr, so stdout holds only the results."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())

@@ -20,8 +20,8 @@ from reasonkv.cli.common import (
     MethodSetsOption,
     check_attn,
     console,
-    err_console,
     fail,
+    loading_status,
     parse_sets,
     progress_bar,
 )
@@ -32,7 +32,7 @@ from reasonkv.methods.api import make_cache
 from reasonkv.methods.knobs import check_knobs
 from reasonkv.methods.registry import get_method
 from reasonkv.util.formatting import format_bytes
-from reasonkv.util.runtime import quiet_loading, set_threads
+from reasonkv.util.runtime import set_threads
 from reasonkv.util.tables import fill_table
 
 THINK_HELP = (
@@ -127,7 +127,7 @@ def eval_command(
         if not problems:
             raise CliError(f"{dataset}: no problems to evaluate")
         set_threads()
-        with err_console.status(f"loading {model_name}…"), quiet_loading():
+        with loading_status(model_name):
             model, tokenizer = load_model(model_name, attn_implementation=attn)
         make_cache(model, method, budget, **knobs)  # e.g. a budget below the protected window
     except (CliError, ValueError, FileNotFoundError) as err:

@@ -24,6 +24,7 @@ from reasonkv.cli.common import (
     console,
     err_console,
     fail,
+    loading_status,
     parse_sets,
 )
 from reasonkv.core.models import DEFAULT_MODEL, load_model
@@ -34,7 +35,7 @@ from reasonkv.methods.api import generate as generate_text
 from reasonkv.methods.knobs import check_knobs
 from reasonkv.methods.registry import METHODS, PROTECTION_KNOBS, MethodSpec, get_method
 from reasonkv.util.formatting import format_bytes
-from reasonkv.util.runtime import quiet_loading, set_threads
+from reasonkv.util.runtime import set_threads
 
 
 def describe_schedule(spec: MethodSpec) -> str:
@@ -126,7 +127,7 @@ def generate_command(
         if max_new_tokens <= 0:
             raise CliError(f"--max-new-tokens must be positive, got {max_new_tokens}")
         set_threads()
-        with err_console.status(f"loading {model_name}…"), quiet_loading():
+        with loading_status(model_name):
             model, tokenizer = load_model(model_name, attn_implementation=attn)
         cache = make_cache(model, method, budget, **knobs)
     except (CliError, ValueError, FileNotFoundError) as err:

@@ -18,8 +18,8 @@ from reasonkv.cli.common import (
     VariantOption,
     command_line,
     console,
-    err_console,
     fail,
+    loading_status,
     progress_bar,
 )
 from reasonkv.core.models import DEFAULT_MODEL, load_model
@@ -28,7 +28,7 @@ from reasonkv.harness.traces import load_traces
 from reasonkv.methods.api import GREEDY
 from reasonkv.methods.api import generate as generate_text
 from reasonkv.methods.profiles import save_profile
-from reasonkv.util.runtime import quiet_loading, set_threads
+from reasonkv.util.runtime import set_threads
 
 
 def _generated_traces(
@@ -83,7 +83,7 @@ def profile_command(
         if max_tokens <= 0 or stride <= 0 or chunk <= 0:
             raise CliError("--max-tokens, --stride and --chunk must be positive")
         set_threads()
-        with err_console.status(f"loading {model_name}…"), quiet_loading():
+        with loading_status(model_name):
             model, tokenizer = load_model(model_name)
     except (CliError, ValueError, FileNotFoundError) as err:
         fail(str(err))

@@ -21,10 +21,11 @@ from reasonkv.cli.common import (
     TracesOption,
     VariantOption,
     build_runs,
+    check_runs_build,
     command_line,
     console,
-    err_console,
     fail,
+    loading_status,
     parse_sets,
     positive_ints,
     progress_bar,
@@ -33,10 +34,9 @@ from reasonkv.cli.common import (
 from reasonkv.core.models import DEFAULT_MODEL, load_model
 from reasonkv.harness.replay import BIN, BLOCK, plot_fidelity, replay_batch, replay_methods, summarize
 from reasonkv.harness.traces import load_traces, replay_input
-from reasonkv.methods.api import make_cache
 from reasonkv.util.formatting import format_or_dash
 from reasonkv.util.records import utc_timestamp, write_json_atomic
-from reasonkv.util.runtime import quiet_loading, set_threads
+from reasonkv.util.runtime import set_threads
 from reasonkv.util.tables import fill_table
 
 
@@ -88,14 +88,13 @@ def replay_command(
         if not rows:
             raise CliError(f"{traces}: no traces of variant {variant!r}")
         set_threads()
-        with err_console.status(f"loading {model_name}…"), quiet_loading():
+        with loading_status(model_name):
             model, tokenizer = load_model(model_name)
         inputs = [replay_input(tokenizer, row, max_tokens) for row in rows]
         short = [i.id for i in inputs if i.input_ids.shape[1] - i.prompt_len < 2]
         if short:
             raise CliError(f"traces too short to replay (under 2 trace tokens): {', '.join(short)}")
-        for run in runs:  # build each cache once: budget/profile errors surface before any work
-            make_cache(model, run.method, run.budget, **run.knobs)
+        check_runs_build(model, runs)
     except (CliError, ValueError, FileNotFoundError) as err:
         fail(str(err))
 
