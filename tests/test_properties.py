@@ -342,8 +342,9 @@ def test_entropy_head_split_is_exact_floored_and_capped(data) -> None:
     prefer = data.draw(st.sampled_from(["focused", "diffuse"]))
     min_tokens = data.draw(st.integers(0, 4))
     total = torch.tensor([data.draw(st.integers(h * min_tokens, h * min_tokens + 60)) for _ in range(b)])
-    split = EntropyHeadSplit(floor_ratio=floor_ratio, ema=0.5, prefer=prefer)
-    state = UtilityState(torch.full((b, h), -1.0))
+    utility = data.draw(st.sampled_from(["step", "compression"]))
+    split = EntropyHeadSplit(floor_ratio=floor_ratio, ema=0.5, prefer=prefer, utility=utility)
+    state = UtilityState(torch.full((b, h), -1.0), torch.full((b, h), -1.0))
     request = SplitRequest(total, obs, scores, n_valid, keys=keys, min_tokens=min_tokens)
 
     for _ in range(2):  # the second call blends in the first call's utility (EMA)

@@ -4,6 +4,7 @@ layer budgets in the cache, and per-head lengths that really follow the online s
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -132,3 +133,79 @@ def test_wave_plot_and_curve_agreement(tmp_path) -> None:
     same = curve_agreement([0.9, 0.5, 0.7], [0.9, 0.5, 0.7])
     assert same["pearson_r"] == pytest.approx(1.0) and same["max_relative_gap"] == 0.0
     assert curve_agreement([1, 2, 3], [3, 2, 1])["pearson_r"] == pytest.approx(-1.0)
+
+
+def _entropy_by_loop(queries, query_index, token_index, keys, scaling: float) -> list[list[list[float]]]:
+    """[B][H][q] normalised entropy of each valid query (None for padding), group-averaged, by loops."""
+    b_n, hq, q_n, _ = queries.shape
+    h_n = keys.shape[1]
+    g_n = hq // h_n
+    out = []
+    for b in range(b_n):
+        rows = []
+        for h in range(h_n):
+            per_query = []
+            for i in range(q_n):
+                qi = int(query_index[b, i])
+                if qi < 0:
+                    per_query.append(None)
+                    continue
+                seen = [j for j in range(keys.shape[2]) if 0 <= int(token_index[b, h, j]) <= qi]
+                total = 0.0
+                for g in range(g_n):
+                    q = queries[b, h * g_n + g, i].double()
+                    logits = [float(q @ keys[b, h, j].double()) * scaling for j in seen]
+                    top = max(logits)
+                    z = sum(math.exp(v - top) for v in logits)
+                    p = [math.exp(v - top) / z for v in logits]
+                    ent = -sum(x * math.log(max(x, 1e-30)) for x in p)
+                    total += ent / math.log(len(seen)) if len(seen) > 1 else 0.0
+                per_query.append(total / g_n)
+            rows.append(per_query)
+        out.append(rows)
+    return out
+
+
+def test_step_utility_is_a_running_mean_over_every_query(monkeypatch) -> None:
+    """The head split's utility="step" entropy equals a loop over every forward's queries (a
+    left-padded prompt, then decode steps): each valid query's normalised entropy over the keys
+    it may see, averaged over the group, folded in one at a time with step_ema."""
+    model = tiny_model("llama", "sdpa", 2)
+    prompts = [random_prompt(9, seed=40)[0], random_prompt(5, seed=41)[0]]
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, 9 - len(p) :], mask[r, 9 - len(p) :] = p, 1
+    cache = reasonkv.make_cache(model, "reasonalloc-head-rkv", 12, interval=4, step_ema=0.8)
+    calls: dict[int, list] = {}
+    original = EntropyHeadSplit.on_step
+
+    def spy(self, step, keys, state):
+        calls.setdefault(step.layer_idx, []).append(
+            (
+                step.queries.clone(),
+                step.query_index.clone(),
+                step.token_index.clone(),
+                keys.clone(),
+                step.scaling,
+            )
+        )
+        return original(self, step, keys, state)
+
+    monkeypatch.setattr(EntropyHeadSplit, "on_step", spy)
+    model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=14, do_sample=False)
+    assert len(cache.events) > 0  # it compressed along the way (the split read the entropy)
+    for layer_idx, layer_calls in calls.items():
+        running = [[None, None], [None, None]]
+        for queries, query_index, token_index, keys, scaling in layer_calls:
+            ent = _entropy_by_loop(queries, query_index, token_index, keys, scaling)
+            for b in range(2):
+                for h in range(2):
+                    for e in ent[b][h]:
+                        if e is not None:
+                            r = running[b][h]
+                            running[b][h] = e if r is None else 0.8 * r + 0.2 * e
+        got = cache.layers[layer_idx].states.head_allocator.entropy
+        torch.testing.assert_close(
+            got.double(), torch.tensor(running, dtype=torch.float64), atol=1e-5, rtol=0
+        )

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from reasonkv.core.policy.base import Observation
-from reasonkv.core.policy.contract import PolicyState, Scorer, SplitRequest
+from reasonkv.core.policy.contract import HeadAllocator, PolicyState, Scorer, SplitRequest
 from reasonkv.core.policy.selection import evict_one, protected_mask, select_tokens
 from reasonkv.core.query_window import QueryWindow
 from reasonkv.core.storage import KVStorage
@@ -91,6 +91,10 @@ class CompressedLayer(CacheLayerMixin):
         scorer: Scorer = policy.scorer
         self._window_size = max(scorer.window, 1)
         self._observes_steps = type(scorer).on_step is not Scorer.on_step
+        allocator = policy.head_allocator
+        self._allocator_observes = (
+            allocator is not None and type(allocator).on_step is not HeadAllocator.on_step
+        )
         self._reset_state()
 
     # transformers' CacheLayerMixin sets these to None; the storage owns them.
@@ -230,10 +234,14 @@ class CompressedLayer(CacheLayerMixin):
             self.n_query_heads = query.shape[1]
             self._new_states()
         keys = storage.keys[:, :, : storage.used]
-        if self._observes_steps:
+        if self._observes_steps or self._allocator_observes:
             step = self._observation(query.detach(), index, positions, scaling)
-            with self.timer.section("on_step"):
-                policy.scorer.on_step(step, keys)
+            if self._observes_steps:
+                with self.timer.section("on_step"):
+                    policy.scorer.on_step(step, keys)
+            if self._allocator_observes:
+                with self.timer.section("utility"):
+                    policy.head_allocator.on_step(step, keys, self.states.head_allocator)
         self.window.keep(query, index, positions, self._window_size + policy.scorer.query_backlog)
         schedule, view = policy.schedule, self.view
         rows = schedule.rows_to_compress(view, self.states.schedule)

@@ -142,6 +142,9 @@ class HeadAllocator:
     def new_state(self, view: LayerView) -> PolicyState | None:
         return None
 
+    def on_step(self, step: Observation, keys: torch.Tensor, state: PolicyState | None) -> None:
+        """See every query of this forward, as the scorer's `on_step` does (a per-step utility)."""
+
     def split(self, request: SplitRequest, state: PolicyState | None = None) -> torch.Tensor:
         """[B, H] tokens each head keeps."""
         raise NotImplementedError

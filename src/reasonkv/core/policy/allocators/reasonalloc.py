@@ -11,7 +11,7 @@ Two levels, both with exact integer totals:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -37,15 +37,52 @@ def layer_budgets(
     return per_layer[:, None].expand(n_layers, n_kv_heads).clone()
 
 
-def attention_stats(obs: Observation, keys: torch.Tensor, topk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per KV head [B, H], averaged over the group's heads and the valid observed queries:
-    the normalised entropy H(a) / log(n) of each query's attention a over the n real keys it
-    may see, and the attention mass its `topk` strongest keys capture (0 = skip)."""
+QUERY_CHUNK = 256
+"""Queries per block when measuring a prefill's entropies, so the probabilities stay O(chunk × cache)."""
+
+
+def _entropies(obs: Observation, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The normalised entropy H(a) / log(n) of each observed query's attention a over the n
+    real keys it may see, per query head ([B, H, G, W]), and the attention itself."""
     allowed = candidate_mask(obs)  # [B, H, 1, W, T]
     probs = masked_softmax(grouped_logits(obs.queries, keys, obs.scaling), allowed)
     ent = -(probs * probs.clamp(min=1e-30).log()).sum(-1)  # [B, H, G, W]
     n = allowed.sum(-1).float()  # [B, H, 1, W]
-    norm = torch.where(n > 1, ent / n.clamp(min=2).log(), torch.zeros_like(ent))
+    return torch.where(n > 1, ent / n.clamp(min=2).log(), torch.zeros_like(ent)), probs
+
+
+def query_entropy(obs: Observation, keys: torch.Tensor) -> torch.Tensor:
+    """[B, H, W] normalised attention entropy of each observed query, averaged over the group's
+    query heads (0 for padding queries)."""
+    parts = []
+    for start in range(0, obs.queries.shape[2], QUERY_CHUNK):
+        sl = slice(start, start + QUERY_CHUNK)
+        block = replace(obs, queries=obs.queries[:, :, sl], query_index=obs.query_index[:, sl])
+        parts.append(_entropies(block, keys)[0].mean(2))
+    return torch.cat(parts, dim=-1) * obs.query_valid[:, None, :]
+
+
+def running_mean(
+    previous: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, decay: float
+) -> torch.Tensor:
+    """Exponential moving average r <- decay·r + (1 − decay)·v over the valid values [B, H, W]
+    (valid [B, W]) in order, from `previous` [B, H] (−1: none yet, then it starts at the first
+    valid value). Closed form, so a chunk of W queries gives what W single steps would."""
+    valid_f = valid.to(values.dtype)[:, None, :]  # [B, 1, W]
+    after = valid_f.flip(-1).cumsum(-1).flip(-1) - valid_f  # valid values after each one
+    weights = valid_f * (1.0 - decay) * decay**after
+    n = valid_f.sum(-1)  # [B, 1]
+    first = values.gather(-1, valid.long().argmax(-1)[:, None, None].expand(-1, values.shape[1], 1))[..., 0]
+    start = torch.where(previous < 0, first, previous)
+    updated = start * decay**n + (weights * values).sum(-1)
+    return torch.where(n > 0, updated, previous)
+
+
+def attention_stats(obs: Observation, keys: torch.Tensor, topk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head [B, H], averaged over the group's heads and the valid observed queries:
+    the normalised entropy H(a) / log(n) of each query's attention a over the n real keys it
+    may see, and the attention mass its `topk` strongest keys capture (0 = skip)."""
+    norm, probs = _entropies(obs, keys)
     valid = obs.query_valid[:, None, None, :].float()
     denom = (valid.sum((-1, -2)) * norm.shape[2]).clamp(min=1)
     entropy = (norm * valid).sum((-1, -2)) / denom
@@ -106,10 +143,12 @@ class ReasonAllocAllocator(Allocator):
 
 @dataclass
 class UtilityState(PolicyState):
-    """The running head utility of one layer, [B, H]; -1 for a row that has not compressed yet."""
+    """One layer's head utilities, [B, H]: the last one used (−1 before a row's first
+    compression) and the running entropy of every step's queries (−1 before any)."""
 
     utility: torch.Tensor
-    ROW_FIELDS = ("utility",)
+    entropy: torch.Tensor
+    ROW_FIELDS = ("utility", "entropy")
 
 
 @dataclass
@@ -119,6 +158,9 @@ class EntropyHeadSplit(HeadAllocator):
 
     prefer="focused": u = 1 − Ĥ (the paper: low entropy = information-rich = more budget);
     "diffuse": u = Ĥ (the other direction, to measure which wins).
+    utility="step" (the paper): Ĥ is a running mean over every decode step's queries
+    (`step_ema` per query); "compression": Ĥ of the scorer's window at each compression,
+    smoothed across compressions by `ema`.
     floor_ratio: each head keeps at least floor_ratio × (layer total / H) tokens, and never
     fewer than the protected window (the starvation guard).
     """
@@ -126,10 +168,23 @@ class EntropyHeadSplit(HeadAllocator):
     floor_ratio: float = 0.25
     ema: float = 0.5
     prefer: Literal["focused", "diffuse"] = "focused"
+    utility: Literal["step", "compression"] = "step"
+    step_ema: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.utility not in ("step", "compression"):
+            raise ValueError(f"utility must be 'step' or 'compression', got {self.utility!r}")
+        if not 0.0 <= self.step_ema < 1.0:
+            raise ValueError(f"step_ema must be in [0, 1), got {self.step_ema}")
 
     def new_state(self, view: LayerView) -> UtilityState:
         b, h, _, device = view.shape
-        return UtilityState(torch.full((b, h), -1.0, device=device))
+        return UtilityState(torch.full((b, h), -1.0, device=device), torch.full((b, h), -1.0, device=device))
+
+    def on_step(self, step: Observation, keys: torch.Tensor, state: PolicyState | None) -> None:
+        if self.utility == "step" and isinstance(state, UtilityState):
+            ent = query_entropy(step, keys)
+            state.entropy = running_mean(state.entropy, ent, step.query_valid, self.step_ema)
 
     def split(self, request: SplitRequest, state: PolicyState | None = None) -> torch.Tensor:
         if request.keys is None:
@@ -137,8 +192,12 @@ class EntropyHeadSplit(HeadAllocator):
         if self.prefer not in ("focused", "diffuse"):
             raise ValueError(f"prefer must be 'focused' or 'diffuse', got {self.prefer!r}")
         ent = normalised_entropy(request.obs, request.keys)
+        if self.utility == "step" and isinstance(state, UtilityState):
+            ent = torch.where(state.entropy >= 0, state.entropy, ent)  # every step's, where measured
         utility = 1.0 - ent if self.prefer == "focused" else ent
         previous = state.utility if isinstance(state, UtilityState) else None
+        if self.utility == "step":
+            previous = None  # the running entropy is the smoothing; no second EMA on top
         if previous is not None and previous.shape == utility.shape:
             seen = previous >= 0  # -1: this row has not compressed yet
             utility = torch.where(seen, self.ema * previous + (1.0 - self.ema) * utility, utility)
@@ -148,8 +207,8 @@ class EntropyHeadSplit(HeadAllocator):
         # when other rows of the batch compress.
         rows = request.rows
         compressing = rows[:, None] if rows is not None else torch.ones_like(utility, dtype=torch.bool)
-        if state is not None:
-            state.utility = torch.where(compressing, utility, previous)
+        if isinstance(state, UtilityState):
+            state.utility = torch.where(compressing, utility, state.utility)
         h = utility.shape[1]
         layer_total = request.layer_total
         even = layer_total.double() / h
