@@ -82,18 +82,14 @@ def analyze_trace(
     stepwise: bool = False,
     progress: Callable[[str, int], None] | None = None,
 ) -> TraceAnalysis:
-    """Replay one trace (input_ids [1, n]; the first `prompt_len` tokens are the prompt) with
-    the full cache, recording every `stride`-th trace query: a survey pass finds the heads'
-    persistent keys (skipped when rule.persistent is None), the main pass records the
-    statistics and, in lock-step, replays every `runs` entry (harness.replay.ReplayRun: method,
-    budget, knobs), recording when it evicted each token and its fidelity to the full cache
-    (mean KL and top-1 agreement, as `reasonkv replay` measures them).
+    """Replay one trace (input_ids [1, n], the first `prompt_len` tokens the prompt) with the
+    full cache, recording the statistics of every `stride`-th trace query, and replay each of
+    `runs` (ReplayRun) in lock-step: when it evicted each token, and its fidelity to the full
+    cache (mean KL and top-1 agreement, as `reasonkv replay` measures them).
 
-    layers: the layers whose attention rows of the last `window` queries (maps) and pre-RoPE
-    queries (PCA, beacons) are kept; None = the `n_auto` layers with the most global queries
-    (as the survey estimates them: `approx_far_fraction`). Method caches advance
-    in chunks that end at their compression points (`stepwise=True`: one token per forward).
-    progress(stage, k) is called after each block of k positions ("survey", then "replay").
+    layers: where the attention rows of the last `window` queries and the pre-RoPE queries are
+    kept; None = the `n_auto` layers with the most global queries. stepwise: the method caches
+    take one token per forward. progress(stage, k): k more positions ("survey", then "replay").
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"analyze takes one trace: input_ids [1, n], got {tuple(input_ids.shape)}")
@@ -115,6 +111,8 @@ def analyze_trace(
 
     persistent = torch.zeros(shape.n_layers, shape.n_kv_heads, n, dtype=torch.bool)
     with torch.no_grad():
+        # Survey pass: the heads' persistent keys, and the layers to draw when none are given
+        # (the most global queries, as approx_far_fraction estimates them).
         if rule.persistent is not None or layers is None:
             survey = Recorder(**common, survey=True)
             _survey(model, ids, prompt_len, survey, block, progress)

@@ -1,30 +1,16 @@
 """Speed and memory benchmark: every method decodes exactly the same tokens.
 
-The reference cache (the method that keeps every token) first writes `n` tokens greedily
-(EOS suppressed, so it never stops early). Then every method × budget is *teacher-forced*
-through those tokens, one token per forward (`model(input_ids=token, cache=cache)`), so every
-run does identical model work and the only differences are the cache's: how many keys
-attention reads, and what scoring, selection and compaction cost. Per run we record
-
-- the wall time of every decode step (tokens/s per length window),
-- `cache.memory()` at each length mark (physical and K/V bytes), and samples of it in between,
-- the process RSS (sampled) and its peak (per run only when runs go one after the other),
-- the time spent inside the cache's own work, through its timer hook (the sections it opens:
-  the K/V write, the mask, scoring, selection with its compaction, the post-attention work),
-- top-1 agreement of each step's argmax with the reference's next token (a free fidelity check),
-
-and each as a ratio to the reference measured in the same process, plus the overhead over
-BASELINE (streaming) at the same budget: the cost of scoring.
-
-Runs go one after the other (each from a clean memory baseline), or interleaved: every run
-takes its step i before any takes step i + 1, so on a shared machine a burst of load from
-other processes slows all runs alike and the ratios stay fair.
-
-The greedy continuation of a small model may loop after a few hundred tokens; that does not
-matter for speed (every run does the same work), only the top-1 column reads high then.
+The reference cache (the method that keeps every token) first writes `n` tokens greedily,
+EOS suppressed so it never stops early. Every method × budget is then teacher-forced
+through those tokens, one per forward: every run does identical model work, and only the
+cache's costs differ (the keys attention reads; scoring, selection and compaction). A run's
+step times, cache bytes, RSS, time inside the cache's own sections and top-1 agreement with
+the reference are each also given as a ratio to the reference, and its decode time as
+overhead over BASELINE at the same budget: the cost of scoring. (A small model's greedy
+continuation may loop; speed does not care, only the top-1 column then reads high.)
 
 Modules: runs (what to measure), timing, memory, decode (the loops), measure (runs and
-ratios), profiler, machine, tables, plots.
+ratios; one after the other or interleaved), profiler, machine, tables, plots.
 """
 
 from reasonkv.harness.bench.decode import (

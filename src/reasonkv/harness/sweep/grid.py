@@ -1,24 +1,12 @@
 """Sweep grids: the file format, its validation, and the settings each dataset runs with.
 
-Grid (TOML, or YAML when PyYAML is installed; relative paths are relative to the grid file)::
-
-    kind = "replay"                 # or "eval"
-    models = ["smollm2-135m"]
-    methods = ["full", "snapkv", "rkv"]
-    budgets = [64, 128]             # tokens per KV head; `full` runs once, without one
-    seeds = [0]                     # optional; replay is deterministic and takes one seed
-
-    [settings]                      # defaults for every dataset (keys: see SETTINGS)
-    max_tokens = 256
-
-    [knobs]                         # to every method that has the knob (none has it: error)
-    interval = 32
-    [knobs.rpc]                     # to one method, over the shared ones
-    interval = 16
-
-    [[datasets]]                    # replay: a trace jsonl; eval: math500/aime24/aime25 or a jsonl
-    traces = "traces.jsonl"
-    limit = 2
+A grid is TOML (or YAML when PyYAML is installed): `kind` (replay or eval), `models`,
+`methods`, `budgets` (`full` runs once, without one), optional `seeds`, `[settings]`
+(defaults for every dataset; keys: SETTINGS), `[knobs]` (to every method that has the knob;
+one that none has is an error), `[knobs.NAME]` (to one method, over the shared ones) and
+`[[datasets]]` (replay: `traces`, a trace jsonl; eval: `dataset`, math500/aime24/aime25 or a
+jsonl). Relative paths are relative to the grid file; examples/sweep-replay.toml is a
+commented grid.
 """
 
 from __future__ import annotations
