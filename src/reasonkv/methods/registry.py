@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from reasonkv.core.policy import (
     BeaconKVScorer,
     H2OScorer,
+    RandomScorer,
+    RecentQueryScorer,
     RKVScorer,
     RPCScorer,
     SnapKVScorer,
@@ -171,6 +173,28 @@ register(
         "GQA group; sinks + recent kept; at B_max evict fraction·B_max",
         "BeaconKV, Kim et al. 2026, arXiv:2609.04971",
         BeaconKVScorer,
+        MaxMinThreshold,
+        defaults={"n_sink": 4, "n_recent": 16},
+    )
+)
+register(
+    MethodSpec(
+        "recent-query",
+        "BeaconKV's comparator: the last 32 queries score keys (max over them and the GQA group), "
+        "no beacons; sinks + recent kept; at B_max evict fraction·B_max",
+        "BeaconKV's 32 recent + 0 beacons ablation, Kim et al. 2026, arXiv:2609.04971",
+        RecentQueryScorer,
+        MaxMinThreshold,
+        defaults={"n_sink": 4, "n_recent": 16},
+    )
+)
+register(
+    MethodSpec(
+        "random",
+        "the floor: sinks + recent kept, the rest evicted uniformly at random per head (seeded); "
+        "at B_max evict fraction·B_max",
+        "random eviction, the baseline of arXiv:2609.03430",
+        RandomScorer,
         MaxMinThreshold,
         defaults={"n_sink": 4, "n_recent": 16},
     )

@@ -4,6 +4,8 @@ from reasonkv.core.policy.base import EMPTY, Observation
 from reasonkv.core.policy.contract import HeadAllocator, LayerView, PolicyState, Scorer, SplitRequest
 from reasonkv.core.policy.scorers.beacon import BeaconKVScorer
 from reasonkv.core.policy.scorers.h2o import H2OScorer
+from reasonkv.core.policy.scorers.random import RandomScorer
+from reasonkv.core.policy.scorers.recent_query import RecentQueryScorer
 from reasonkv.core.policy.scorers.rkv import RKVScorer
 from reasonkv.core.policy.scorers.rpc import RPCScorer
 from reasonkv.core.policy.scorers.snapkv import SnapKVScorer
@@ -21,6 +23,8 @@ __all__ = [
     "PolicyState",
     "RKVScorer",
     "RPCScorer",
+    "RandomScorer",
+    "RecentQueryScorer",
     "Scorer",
     "SnapKVScorer",
     "SplitRequest",
