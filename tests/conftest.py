@@ -176,3 +176,40 @@ def one_torch_thread():
     and a test that raises the count (the CLI's set_threads) cannot slow the ones after it."""
     torch.set_num_threads(1)
     yield
+
+
+# ------------------------------------------------- command-line tests: no slow model load
+@pytest.fixture
+def fake_loader(monkeypatch):
+    """Replace the CLI's and the demo's model loader; records how it was called."""
+    from cli_helpers import CharTokenizer, tiny_llama
+    from reasonkv.cli import generate as generate_cli
+    from reasonkv.cli import profile as profile_cli
+    from reasonkv.harness import demo
+
+    calls: list[dict] = []
+
+    def load(name, attn_implementation="sdpa", **kwargs):
+        calls.append({"name": name, "attn_implementation": attn_implementation, **kwargs})
+        return tiny_llama(attn_implementation), CharTokenizer()
+
+    monkeypatch.setattr(generate_cli, "load_model", load)
+    monkeypatch.setattr(profile_cli, "load_model", load)
+    monkeypatch.setattr(demo, "load_model", load)
+    return calls
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Errors must be caught before the slow model load."""
+
+    from reasonkv.cli import generate as generate_cli
+    from reasonkv.cli import profile as profile_cli
+    from reasonkv.harness import demo
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded although the arguments were invalid")
+
+    monkeypatch.setattr(generate_cli, "load_model", load)
+    monkeypatch.setattr(profile_cli, "load_model", load)
+    monkeypatch.setattr(demo, "load_model", load)

@@ -4,9 +4,13 @@ it), a greedy generate that keeps the scores, and two left-padded prompts."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import torch
 from transformers import LlamaForCausalLM
 
+import reasonkv
 from conftest import build_tiny_model
 
 
@@ -57,3 +61,19 @@ def assert_no_eviction_matches_stock(model, method: str, budget: int) -> None:
     for a, b in zip(out.scores, ref.scores, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
     assert cache.events == []
+
+
+def profile_knobs(model, method: str) -> dict:
+    """Profile-driven methods (ReasonAlloc) need a profile of the model: give the tiny model
+    one with a non-flat demand curve, so layers really get different budgets."""
+    if "profile" not in reasonkv.get_method(method).knobs():
+        return {}
+    from reasonkv.methods.profiles import config_hash, save_profile
+
+    n = model.config.num_hidden_layers
+    folder = Path(tempfile.gettempdir()) / "reasonkv-test-profiles"
+    path = folder / f"{config_hash(model.config)}.json"
+    if not path.exists():
+        demand = [1.0 + (i % 2) for i in range(n)]  # 1, 2, 1, 2, ... : layer budgets 2:1 apart
+        save_profile({"model": "tiny", "config_hash": config_hash(model.config), "demand": demand}, path)
+    return {"profile": str(path)}

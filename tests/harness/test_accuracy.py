@@ -13,13 +13,13 @@ import typer
 from transformers import DynamicCache
 
 import reasonkv
+from cli_helpers import CharTokenizer, errors_of, runner, tiny_llama
 from reasonkv.cli import evaluate as accuracy_cli
 from reasonkv.harness import accuracy as accuracy_module
 from reasonkv.harness import datasets as ds
 from reasonkv.harness.accuracy import INSTRUCTION, THINK_CLOSE, build_prompt, evaluate
-from test_cli import CharTokenizer, errors_of, runner, tiny_llama
 
-SHARED_MATH = Path(__file__).resolve().parents[2] / "shared" / "data" / "math"
+SHARED_MATH = Path(__file__).resolve().parents[3] / "shared" / "data" / "math"
 EOS = 1
 
 

@@ -17,13 +17,15 @@ import pytest
 import torch
 import typer
 
+from cli_helpers import CharTokenizer, errors_of, runner, tiny_llama
 from reasonkv.cli import sweep as sweep_cli
 from reasonkv.harness import replay as replay_mod
 from reasonkv.harness import sweep as sw
 from reasonkv.harness.report import load_records, markdown_table, method_styles, rich_table, summarize_results
-from test_cli import CharTokenizer, errors_of, runner, tiny_llama
 
-TESTS = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent  # this module: the sweep loader below
+TESTS = HERE.parent  # the tests folder: conftest and the helper modules
+TEST_PATH = os.pathsep.join([str(HERE), str(TESTS)])
 LOADER = "test_sweep:tiny_loader"
 LOADS: list[str] = []
 """Models tiny_loader loaded in this process."""
@@ -285,7 +287,7 @@ def test_kill_9_mid_sweep_then_resume(tmp_path) -> None:
     )
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([TEST_PATH, os.environ.get("PYTHONPATH", "")]),
         "REASONKV_TEST_DELAY": "0.01",
     }
     proc = subprocess.Popen([sys.executable, "-c", code, str(grid_path), str(out)], env=env)
@@ -447,7 +449,7 @@ def test_ray_two_workers_give_the_results_of_one(tmp_path) -> None:
         "print('STATS', stats.ok, stats.failed)\n"
     )
     # Ray's local workers inherit the driver's environment: they can import this module.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TEST_PATH, os.environ.get("PYTHONPATH", "")])}
     try:
         proc = subprocess.run(
             [sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600

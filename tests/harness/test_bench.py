@@ -13,18 +13,18 @@ import torch
 import typer
 from typer.testing import CliRunner
 
+from cli_helpers import CharTokenizer, tiny_llama
 from conftest import N_LAYERS, greedy_loop, random_prompt, tiny_model
 from reasonkv.cli import bench as bench_cli
 from reasonkv.harness import bench
 from reasonkv.harness.replay import compare_logits
 from reasonkv.methods.api import make_cache
-from test_cli import CharTokenizer, tiny_llama
 
 runner = CliRunner()
 WIDE = {"COLUMNS": "250"}
 PROMPT = 10
 KNOBS = {"interval": 8}
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXT = "What is 2+3? Think."  # 19 characters: the CharTokenizer's prompt tokens
 
 

@@ -16,7 +16,7 @@ from reasonkv import available_methods, make_cache
 from reasonkv.core.policy.base import EMPTY
 from reasonkv.methods.registry import METHODS
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
 
 @pytest.fixture

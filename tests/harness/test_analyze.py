@@ -10,6 +10,7 @@ import pytest
 import torch
 import typer
 
+from cli_helpers import CharTokenizer, runner
 from conftest import build_tiny_model
 from reasonkv.cli import analyze as analyze_cli
 from reasonkv.harness.analyze import (
@@ -34,7 +35,6 @@ from reasonkv.harness.analyze import (
 )
 from reasonkv.harness.profile import profile_trace
 from reasonkv.harness.replay import ReplayRun
-from test_cli import CharTokenizer, runner
 
 F64 = torch.float64
 

@@ -8,86 +8,18 @@ import os
 import pytest
 import torch
 from rich.console import Console
-from transformers import LlamaForCausalLM
-from typer.testing import CliRunner
 
 import reasonkv
-from conftest import build_tiny_model
+from cli_helpers import WIDE, CharTokenizer, errors_of, runner, tiny_llama
 from reasonkv.cli import common
 from reasonkv.cli import generate as generate_cli
 from reasonkv.cli import main as cli
-from reasonkv.cli import profile as profile_cli
 from reasonkv.core.policy import StreamingScorer
 from reasonkv.core.policy.schedules import MaxMinThreshold
 from reasonkv.harness import demo
 from reasonkv.methods.knobs import KnobError, check_knobs
 from reasonkv.methods.registry import METHODS, MethodSpec
 from reasonkv.util import runtime
-
-runner = CliRunner()
-WIDE = {"COLUMNS": "250"}
-
-
-class CharTokenizer:
-    """Just enough of a tokenizer for reasonkv.generate: one token per character, left padding."""
-
-    pad_token_id = 0
-    pad_token = "<pad>"
-    eos_token_id = None
-    chat_template = None
-    padding_side = "left"
-
-    def encode_one(self, text: str) -> list[int]:
-        return [3 + ord(c) % 120 for c in text]
-
-    def __call__(self, texts, return_tensors=None, padding=False, add_special_tokens=True):
-        if isinstance(texts, str):
-            return {"input_ids": self.encode_one(texts)}
-        ids = [self.encode_one(t) for t in texts]
-        width = max(map(len, ids))
-        input_ids = torch.tensor([[0] * (width - len(r)) + r for r in ids])
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
-        return {"input_ids": input_ids, "attention_mask": mask}
-
-    def batch_decode(self, rows, skip_special_tokens=True):
-        keep = lambda i: not (skip_special_tokens and i == 0)
-        return [" ".join(f"t{i}" for i in map(int, row) if keep(i)) for row in rows]
-
-
-def tiny_llama(attn: str = "sdpa") -> LlamaForCausalLM:
-    """conftest's tiny Llama at init range 0.02, with BOS id 1 (no EOS)."""
-    return build_tiny_model("llama", attn, seed=0, init_range=0.02, bos_token_id=1)
-
-
-@pytest.fixture
-def fake_loader(monkeypatch):
-    """Replace the CLI's and the demo's model loader; records how it was called."""
-    calls: list[dict] = []
-
-    def load(name, attn_implementation="sdpa", **kwargs):
-        calls.append({"name": name, "attn_implementation": attn_implementation, **kwargs})
-        return tiny_llama(attn_implementation), CharTokenizer()
-
-    monkeypatch.setattr(generate_cli, "load_model", load)
-    monkeypatch.setattr(profile_cli, "load_model", load)
-    monkeypatch.setattr(demo, "load_model", load)
-    return calls
-
-
-@pytest.fixture
-def no_loading(monkeypatch):
-    """Errors must be caught before the slow model load."""
-
-    def load(*args, **kwargs):
-        raise AssertionError("the model was loaded although the arguments were invalid")
-
-    monkeypatch.setattr(generate_cli, "load_model", load)
-    monkeypatch.setattr(profile_cli, "load_model", load)
-    monkeypatch.setattr(demo, "load_model", load)
-
-
-def errors_of(result) -> str:
-    return result.stderr if result.stderr else result.output
 
 
 # ---------------------------------------------------------------- methods

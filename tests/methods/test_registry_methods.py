@@ -3,35 +3,17 @@ exact when nothing is evicted, bounded memory over a long decode, padding-safe b
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 
 import reasonkv
 from conftest import HEAD_DIM, N_LAYERS, dynamic_cache, greedy_loop, left_pad, random_prompt, tiny_model
+from method_helpers import profile_knobs
 
 METHODS = sorted(reasonkv.available_methods())
 PROMPT = 10
 BUDGET = 32
 SMALL_INTERVAL = 16  # schedules with an `interval` knob compress often in short runs
-
-
-def profile_knobs(model, method: str) -> dict:
-    """Profile-driven methods (ReasonAlloc) need a profile of the model: give the tiny model
-    one with a non-flat demand curve, so layers really get different budgets."""
-    if "profile" not in reasonkv.get_method(method).knobs():
-        return {}
-    from reasonkv.methods.profiles import config_hash, save_profile
-
-    n = model.config.num_hidden_layers
-    folder = Path(tempfile.gettempdir()) / "reasonkv-test-profiles"
-    path = folder / f"{config_hash(model.config)}.json"
-    if not path.exists():
-        demand = [1.0 + (i % 2) for i in range(n)]  # 1, 2, 1, 2, ... : layer budgets 2:1 apart
-        save_profile({"model": "tiny", "config_hash": config_hash(model.config), "demand": demand}, path)
-    return {"profile": str(path)}
 
 
 def small_cache(model, method: str):

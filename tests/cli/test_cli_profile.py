@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
+from cli_helpers import WIDE, runner
 from reasonkv.cli import main as cli
 from reasonkv.methods.profiles import config_hash, load_profile
-from test_cli import WIDE, fake_loader, runner  # noqa: F401 (fixture)
 
 
 def _traces(path, n: int = 3) -> None:
@@ -22,7 +22,7 @@ def _traces(path, n: int = 3) -> None:
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 
 
-def test_profile_writes_a_profile_and_a_wave_plot(tmp_path, fake_loader) -> None:  # noqa: F811
+def test_profile_writes_a_profile_and_a_wave_plot(tmp_path, fake_loader) -> None:
     traces, out, png = tmp_path / "traces.jsonl", tmp_path / "p.json", tmp_path / "wave.png"
     _traces(traces)
     args = ["profile", "--traces", str(traces), "--out", str(out), "--plot", str(png), "--variant", "all"]
@@ -39,12 +39,12 @@ def test_profile_writes_a_profile_and_a_wave_plot(tmp_path, fake_loader) -> None
 
 
 def fake_loader_model():
-    from test_cli import CharTokenizer, tiny_llama
+    from cli_helpers import CharTokenizer, tiny_llama
 
     return tiny_llama(), CharTokenizer()
 
 
-def test_profile_errors_are_one_line(tmp_path, fake_loader) -> None:  # noqa: F811
+def test_profile_errors_are_one_line(tmp_path, fake_loader) -> None:
     traces = tmp_path / "traces.jsonl"
     _traces(traces)
     result = runner.invoke(cli.app, ["profile", "--traces", str(traces), "--out", str(tmp_path / "p.json")])
@@ -54,7 +54,7 @@ def test_profile_errors_are_one_line(tmp_path, fake_loader) -> None:  # noqa: F8
     assert fake_loader == []  # nothing was loaded for bad input
 
 
-def test_generate_record_then_plot_budgets(tmp_path, fake_loader) -> None:  # noqa: F811
+def test_generate_record_then_plot_budgets(tmp_path, fake_loader) -> None:
     run, png = tmp_path / "run.json", tmp_path / "budgets.png"
     args = [
         "generate",
@@ -81,9 +81,9 @@ def test_generate_record_then_plot_budgets(tmp_path, fake_loader) -> None:  # no
     assert bad.exit_code == 2 and "no compression events for layer(s) [7]" in bad.output
 
 
-def test_generate_takes_a_profile_file_for_reasonalloc(tmp_path, fake_loader) -> None:  # noqa: F811
+def test_generate_takes_a_profile_file_for_reasonalloc(tmp_path, fake_loader) -> None:
+    from cli_helpers import tiny_llama
     from reasonkv.methods.profiles import save_profile
-    from test_cli import tiny_llama
 
     model = tiny_llama()
     profile = tmp_path / "wave.json"

@@ -13,7 +13,9 @@ import typer
 from typer.testing import CliRunner
 
 import reasonkv
+from cli_helpers import CharTokenizer, tiny_llama
 from conftest import N_LAYERS, build_tiny_model, random_prompt, tiny_model
+from method_helpers import profile_knobs
 from reasonkv.cli import replay as replay_cli
 from reasonkv.harness.replay import (
     ReplayResult,
@@ -29,8 +31,6 @@ from reasonkv.harness.replay import (
     summarize,
 )
 from reasonkv.harness.traces import ReplayInput
-from test_cli import CharTokenizer, tiny_llama
-from test_registry_methods import profile_knobs
 
 PROMPT = 10
 TRACE = 150  # tokens in all: a 10-token prompt and 139 scored trace positions
