@@ -207,6 +207,23 @@ def test_budget_beyond_the_trace_is_faithful_and_a_small_one_is_not() -> None:
     assert small.live_tokens < roomy.live_tokens
 
 
+def test_peak_memory_of_a_replay_is_what_the_cache_held_at_most() -> None:
+    """Peak live tokens per head: SnapKV at B + I (B = 16, I = 8) attends to B + I tokens
+    before each compression; BeaconKV (threshold) to its B = 32; the full cache to the whole trace.
+    Peak K/V bytes per sequence: the cache's meter over its rows; SnapKV's is the
+    (layers + 1) x (B + I) slots of one layer compacting while the others are full."""
+    model = tiny_model("llama", "sdpa", KV_HEADS)
+    runs = [ReplayRun("full", None), ReplayRun("snapkv", 16, {"interval": 8}), ReplayRun("beaconkv", 32)]
+    inputs = [ReplayInput("a", trace_ids(), PROMPT), ReplayInput("b", trace_ids(seed=1), PROMPT)]
+    (full, snap, beacon), _ = replay_batch(model, inputs, runs)
+    assert full.peak_live_tokens == TRACE - 1  # the last fed token saw every token, itself included
+    assert snap.peak_live_tokens == 16 + 8 and beacon.peak_live_tokens == 32
+    per_slot = 2 * KV_HEADS * 16 * 4  # K and V, KV heads, head dim 16, fp32: one row
+    assert snap.peak_kv_bytes == (N_LAYERS + 1) * (16 + 8) * per_slot
+    assert snap.mean_kv_bytes <= snap.peak_kv_bytes < full.peak_kv_bytes
+    assert snap.live_tokens < snap.peak_live_tokens
+
+
 # --------------------------------------------------------------------- arithmetic
 def test_kl_top1_and_nll_on_known_distributions() -> None:
     p = torch.tensor([[0.5, 0.25, 0.25], [0.7, 0.2, 0.1]], dtype=torch.float64)

@@ -499,7 +499,8 @@ def test_eval_sweep_units_per_problem_and_seed_repeat_exactly(tmp_path) -> None:
 
 
 # ----------------------------------------------------------------------- report
-def replay_line(key, method, budget, item, sums, status="ok", live=10.0, **config) -> dict:
+def replay_line(key, method, budget, item, sums, status="ok", live=10.0, peak=None, **config) -> dict:
+    """A sweep record; `peak` = (peak K/V bytes, peak live tokens), absent in older records."""
     cfg = {
         "kind": "replay",
         "model": "m",
@@ -518,7 +519,11 @@ def replay_line(key, method, budget, item, sums, status="ok", live=10.0, **confi
         "key": key,
         "status": "ok",
         "config": cfg,
-        "metrics": {"sums": sums_d, "live_tokens": live},
+        "metrics": {
+            "sums": sums_d,
+            "live_tokens": live,
+            **({} if peak is None else {"peak_kv_bytes": peak[0], "peak_live_tokens": peak[1]}),
+        },
         "timings": {"seconds": 1.0},
     }
 
@@ -527,8 +532,8 @@ def test_report_pools_positions_over_traces(tmp_path) -> None:
     lines = [
         replay_line("a", "full", None, "t1", (100, 0.0, 100, 150.0, 150.0), live=60.0),
         replay_line("b", "full", None, "t2", (300, 0.0, 300, 420.0, 420.0), live=80.0),
-        replay_line("c", "snapkv", 64, "t1", (100, 10.0, 90, 150.0, 160.0), live=20.0),
-        replay_line("d", "snapkv", 64, "t2", (300, 50.0, 240, 420.0, 440.0), live=40.0),
+        replay_line("c", "snapkv", 64, "t1", (100, 10.0, 90, 150.0, 160.0), live=20.0, peak=(2 * 2**20, 70)),
+        replay_line("d", "snapkv", 64, "t2", (300, 50.0, 240, 420.0, 440.0), live=40.0, peak=(4 * 2**20, 90)),
         replay_line("e", "snapkv", 128, "t1", (100, 2.0, 98, 150.0, 151.0)),
         replay_line("f", "snapkv", 128, "t2", None, status="error"),
         replay_line("g", "rkv", 64, "t1", None, status="error"),
@@ -547,6 +552,9 @@ def test_report_pools_positions_over_traces(tmp_path) -> None:
     assert snap["mean_kl"] == pytest.approx(60 / 400) and snap["top1"] == pytest.approx(330 / 400)
     assert snap["ppl_ratio"] == pytest.approx(math.exp(30 / 400))
     assert snap["live_tokens"] == pytest.approx((20 * 100 + 40 * 300) / 400)
+    # Peaks are per sequence: the mean over the traces, and unknown for records without them.
+    assert (snap["peak_kv_bytes"], snap["peak_live_tokens"]) == (3 * 2**20, 80)
+    assert rows["snapkv@128"]["peak_kv_bytes"] is None
     assert rows["full"]["ppl_ratio"] == 1.0 and rows["full"]["top1"] == 1.0
     assert (rows["snapkv@128"]["units"], rows["snapkv@128"]["errors"], rows["snapkv@128"]["traces"]) == (
         2,
@@ -556,9 +564,13 @@ def test_report_pools_positions_over_traces(tmp_path) -> None:
     assert rows["rkv@64"]["mean_kl"] == pytest.approx(0.04) and rows["rkv@64"]["errors"] == 0
 
     md = markdown_table(section).splitlines()
-    assert md[0] == "| method | budget | traces | tokens | mean KL | top-1 | ppl ratio | live/head | errors |"
-    assert md[3] == "| snapkv | 64 | 2 | 400 | 0.1500 | 0.825 | 1.078 | 35 |  |"
-    assert md[4] == "| snapkv | 128 | 1 | 100 | 0.0200 | 0.980 | 1.010 | 10 | 1 |"
+    assert md[0] == (
+        "| method | budget | traces | tokens | mean KL | top-1 | ppl ratio | peak K/V | peak live "
+        "| live/head "
+        "| errors |"
+    )
+    assert md[3] == "| snapkv | 64 | 2 | 400 | 0.1500 | 0.825 | 1.078 | 3.0 MiB | 80 | 35 |  |"
+    assert md[4] == "| snapkv | 128 | 1 | 100 | 0.0200 | 0.980 | 1.010 | - | - | 10 | 1 |"
 
     result = runner.invoke(
         app(), ["report", str(path), "--out", str(tmp_path / "rep")], env={"COLUMNS": "200"}
@@ -568,7 +580,8 @@ def test_report_pools_positions_over_traces(tmp_path) -> None:
     assert "1 unreadable line" in result.output
     assert (tmp_path / "rep" / "fidelity.png").stat().st_size > 1000
     text = (tmp_path / "rep" / "report.md").read_text()
-    assert "| snapkv | 64 | 2 | 400 | 0.1500 | 0.825 | 1.078 | 35 |  |" in text and "(fidelity.png)" in text
+    assert "| snapkv | 64 | 2 | 400 | 0.1500 | 0.825 | 1.078 | 3.0 MiB | 80 | 35 |  |" in text
+    assert "(fidelity.png)" in text
 
 
 def test_report_labels_a_method_run_with_two_knob_settings(tmp_path) -> None:
@@ -598,6 +611,11 @@ def test_report_table_never_cuts_a_number_in_a_narrow_terminal() -> None:
     assert "…" not in text and "errors" not in text
     assert text.count("0.1235") == 4  # mean KL 123.456 / 1000, in full on every row
     assert max(len(line) for line in text.splitlines()) <= 80
+    assert "left out at 80 columns" in text  # the least needed columns go, and it says which
+    wide = Console(width=200, record=True)
+    wide.print(rich_table(section, width=200))
+    wide_text = wide.export_text()
+    assert "left out" not in wide_text and "ppl ratio" in wide_text
 
 
 def test_report_plot_styles_tell_thirteen_methods_apart() -> None:

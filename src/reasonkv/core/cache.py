@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from reasonkv.core.layer import GROWTH_CHUNK, CompressedLayer
+from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.contract import HeadAllocator, Scorer
 from reasonkv.core.policy.schedules import Schedule
 from reasonkv.core.timing import NO_TIMER, StepTimer
@@ -79,7 +80,11 @@ class CompressedCache(Cache):
         if budgets.dim() != 2:
             raise ValueError(f"budgets must be [layers, kv_heads], got shape {tuple(budgets.shape)}")
         scorer_states: list = [None] * budgets.shape[0]
-        layers = [CompressedLayer(i, budgets[i], policy, scorer_states) for i in range(budgets.shape[0])]
+        self.kv_meter = MemoryMeter()  # K/V bytes of all layers: now, and the most at once
+        layers = [
+            CompressedLayer(i, budgets[i], policy, scorer_states, self.kv_meter)
+            for i in range(budgets.shape[0])
+        ]
         super().__init__(layers=layers)
         self.policy = policy
         self.method = method
@@ -146,17 +151,26 @@ class CompressedCache(Cache):
 
     # ------------------------------------------------------------- reporting
     def memory(self) -> dict:
-        """physical_bytes (all cache tensors), kv_bytes (K and V storage), live_tokens
-        [layers, kv_heads] (per batch row, [B, L, H], when B > 1), seen_tokens."""
+        """physical_bytes (all cache tensors), kv_bytes (K and V storage), peak_kv_bytes (the most
+        K/V storage held at once so far, moments when a layer holds old and new storage
+        included), live_tokens [layers, kv_heads] (per batch row, [B, L, H], when B > 1),
+        seen_tokens."""
         layers = [layer for layer in self.layers if layer.is_initialized and layer.keys is not None]
         if not layers:
-            return {"physical_bytes": 0, "kv_bytes": 0, "live_tokens": None, "seen_tokens": 0}
+            return {
+                "physical_bytes": 0,
+                "kv_bytes": 0,
+                "peak_kv_bytes": 0,
+                "live_tokens": None,
+                "seen_tokens": 0,
+            }
         kv = sum(layer.storage.kv_bytes() for layer in layers)
         total = sum(t.numel() * t.element_size() for layer in layers for t in layer.tensors())
         live = torch.stack([layer.n_valid.cpu() for layer in layers], dim=1)  # [B, L, H]
         return {
             "physical_bytes": total,
             "kv_bytes": kv,
+            "peak_kv_bytes": self.kv_meter.peak,
             "live_tokens": live[0] if live.shape[0] == 1 else live,
             "seen_tokens": layers[0].seen,
         }

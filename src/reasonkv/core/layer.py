@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.base import Observation
 from reasonkv.core.policy.contract import HeadAllocator, PolicyState, Scorer, SplitRequest
 from reasonkv.core.policy.selection import evict_one, protected_mask, select_tokens
@@ -77,7 +78,14 @@ class CompressedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, layer_idx: int, budgets: torch.Tensor, policy, scorer_states: list | None = None):
+    def __init__(
+        self,
+        layer_idx: int,
+        budgets: torch.Tensor,
+        policy,
+        scorer_states: list | None = None,
+        meter: MemoryMeter | None = None,
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         self.budgets = budgets.clone()  # [H] per-head budget of this layer
@@ -86,6 +94,7 @@ class CompressedLayer(CacheLayerMixin):
         # Every layer's scorer state, one list per cache: scorers batch work across layers (BeaconKV).
         self.scorer_states = [None] * (layer_idx + 1) if scorer_states is None else scorer_states
         self.timer: StepTimer = NO_TIMER
+        self.meter = MemoryMeter() if meter is None else meter  # K/V bytes, shared by the cache's layers
         self.report: Callable[[int, int, torch.Tensor, torch.Tensor], None] | None = None
         self.view = _View(self)
         scorer: Scorer = policy.scorer
@@ -104,6 +113,8 @@ class CompressedLayer(CacheLayerMixin):
     )
 
     def _reset_state(self) -> None:
+        if getattr(self, "storage", None) is not None:
+            self.storage.release()
         self.storage: KVStorage | None = None
         self.window = QueryWindow()
         self.states = PolicyStates()
@@ -127,7 +138,7 @@ class CompressedLayer(CacheLayerMixin):
                 f"the model gives {h}; a cache belongs to the model it was made for"
             )
         self.device, self.dtype = key_states.device, key_states.dtype
-        self.storage = KVStorage(b, h, self.device, tuple(self.policy.scorer.state_names))
+        self.storage = KVStorage(b, h, self.device, tuple(self.policy.scorer.state_names), self.meter)
         self.budgets = self.budgets.to(self.device)
         self.targets = torch.tensor(self.plan.targets, device=self.device)
         self.is_initialized = True

@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import torch
 
+from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.base import EMPTY
 
 
 class KVStorage:
-    def __init__(self, batch: int, heads: int, device: torch.device, state_names: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        device: torch.device,
+        state_names: tuple[str, ...] = (),
+        meter: MemoryMeter | None = None,
+    ):
         self.keys: torch.Tensor | None = None  # [B, H, capacity, D]
         self.values: torch.Tensor | None = None
         self.token_index: torch.Tensor | None = None  # [B, H, capacity]
@@ -29,6 +37,7 @@ class KVStorage:
         self.ragged = False  # do heads/rows use different numbers of slots?
         self.holes = False  # are there evicted-but-not-compacted slots (a per-head layout)?
         self.padded = False  # is there padding among the stored slots?
+        self.meter = MemoryMeter() if meter is None else meter  # K/V bytes allocated, now and at most
 
     @property
     def capacity(self) -> int:
@@ -60,7 +69,8 @@ class KVStorage:
             grown = tensor.new_zeros(b, h, capacity)
             grown[:, :, : self.used] = tensor[:, :, : self.used]
             self.token_state[name] = grown
-        self.keys, self.values, self.token_index = keys, values, index
+        self._replace_kv(keys, values)
+        self.token_index = index
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor, first_index: int) -> None:
         """Write q new tokens (sequence indices first_index...) after each head's last slot."""
@@ -146,7 +156,8 @@ class KVStorage:
         index = gather(self.token_index[:, :, : self.used], EMPTY)
         index[:, :, :k].masked_fill_(~present, EMPTY)
         state = {n: gather(t[:, :, : self.used], 0) for n, t in self.token_state.items()}
-        self.keys, self.values, self.token_index, self.token_state = keys, values, index, state
+        self._replace_kv(keys, values)
+        self.token_index, self.token_state = index, state
         self.lengths = new_len.clone()
         self.n_valid = new_len.clone()
         self.used = k
@@ -155,8 +166,20 @@ class KVStorage:
         self.padded = False
 
     # ------------------------------------------------------------- bookkeeping
+    def _replace_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Swap in new K/V tensors: both sets are alive until the old ones are dropped."""
+        self.meter.allocated(_bytes(keys) + _bytes(values))
+        old = self.kv_bytes()
+        self.keys, self.values = keys, values
+        self.meter.released(old)
+
     def select_rows(self, rows: torch.Tensor) -> None:
-        for name in ("keys", "values", "token_index", "lengths", "n_valid"):
+        if self.keys is not None:
+            self._replace_kv(
+                self.keys.index_select(0, rows.to(self.keys.device)),
+                self.values.index_select(0, rows.to(self.values.device)),
+            )
+        for name in ("token_index", "lengths", "n_valid"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, rows.to(t.device)))
@@ -167,6 +190,13 @@ class KVStorage:
         return [t for t in ts if t is not None]
 
     def kv_bytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        return 0 if self.keys is None else _bytes(self.keys) + _bytes(self.values)
+
+    def release(self) -> None:
+        """Drop the storage (a reset): its bytes leave the meter."""
+        self.meter.released(self.kv_bytes())
+        self.keys = self.values = self.token_index = None
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

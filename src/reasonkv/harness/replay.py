@@ -127,6 +127,12 @@ class ReplayResult:
     nll: torch.Tensor
     live_tokens: float = 0.0
     """Mean KV tokens per head that each trace position attended to (the cache it saw)."""
+    peak_live_tokens: float = 0.0
+    """The most KV tokens per head (mean over layers and heads) any position attended to."""
+    peak_kv_bytes: float = 0.0
+    """The most K/V storage held at once, per sequence (a batch's bytes over its rows)."""
+    mean_kv_bytes: float = 0.0
+    """K/V storage held per sequence after each forward, averaged over the positions it served."""
     forwards: int = 0
     compressions: int = 0
     """Compression events over the trace, all layers together."""
@@ -149,6 +155,9 @@ class ReplayResult:
             "prompt_len": self.prompt_len,
             **metrics(self.sums()),
             "live_tokens": self.live_tokens,
+            "peak_live_tokens": self.peak_live_tokens,
+            "peak_kv_bytes": self.peak_kv_bytes,
+            "mean_kv_bytes": self.mean_kv_bytes,
             "forwards": self.forwards,
             "compressions": self.compressions,
             "seconds": self.seconds,
@@ -256,7 +265,9 @@ class _Lane:
     cache: CompressedCache
     stepwise: bool
     records: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    live_weighted: torch.Tensor | None = None  # [B]
+    live_weighted: torch.Tensor | None = None  # [B] live tokens summed over positions
+    peak_live: torch.Tensor | None = None  # [B]
+    kv_weighted: torch.Tensor | None = None  # [B] K/V bytes per row summed over positions
     forwards: int = 0
     seconds: float = 0.0
 
@@ -349,6 +360,9 @@ def replay_batch(
             batch.forward(model, lane.cache, 0, p0, logits_to_keep=1)
             lane.seconds += time.perf_counter() - t0
             lane.live_weighted = torch.zeros(rows, dtype=torch.float64)
+            lane.kv_weighted = torch.zeros(rows, dtype=torch.float64)
+            # The prompt's last token attended to the whole prompt.
+            lane.peak_live = torch.tensor([float(inp.prompt_len) for inp in inputs], dtype=torch.float64)
         for a in range(p0, end, block):
             b = min(a + block, end)
             targets = batch.ids[:, a + 1 : b + 1]
@@ -375,6 +389,9 @@ def replay_batch(
                     prompt_len=inp.prompt_len,
                     **{k: v[r, :n] for k, v in cat.items()},
                     live_tokens=float(lane.live_weighted[r]) / n,
+                    peak_live_tokens=float(lane.peak_live[r]),
+                    peak_kv_bytes=lane.cache.kv_meter.peak / rows,
+                    mean_kv_bytes=float(lane.kv_weighted[r]) / n,
                     forwards=lane.forwards,
                     compressions=sum(1 for e in events if e is None or bool(e[r])),
                     seconds=lane.seconds / rows,
@@ -420,6 +437,8 @@ def _advance(
         # row's own positions count (not the padding after a shorter trace).
         k_row = (valid_to - pos).clamp(min=0, max=k).double()
         lane.live_weighted += k_row * live + k_row * (k_row + 1) / 2
+        lane.peak_live = torch.maximum(lane.peak_live, live + k_row)
+        lane.kv_weighted += k_row * (lane.cache.kv_meter.current / batch.ids.shape[0])
         lane.forwards += 1
         pos += k
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reasonkv.harness.sweep.log import read_results
-from reasonkv.util.formatting import format_or_dash
+from reasonkv.util.formatting import format_bytes, format_or_dash
+from reasonkv.util.tables import LABEL_MIN_WIDTH, fill_table
 
 
 @dataclass
@@ -67,6 +68,11 @@ def _replay_row(units: list[dict]) -> dict:
             s[k] += u["metrics"]["sums"][k]
         live += u["metrics"]["live_tokens"] * u["metrics"]["sums"]["n"]
     n = s["n"]
+
+    def mean_over_traces(key: str) -> float | None:  # None when any unit predates the field
+        values = [u["metrics"].get(key) for u in ok]
+        return sum(values) / len(values) if values and None not in values else None
+
     return {
         "traces": len({u["config"]["item"] for u in ok}),
         "positions": n,
@@ -74,6 +80,8 @@ def _replay_row(units: list[dict]) -> dict:
         "top1": _ratio(s["top1"], n),
         "ppl_ratio": math.exp((s["nll"] - s["nll_full"]) / n) if n else None,
         "live_tokens": _ratio(live, n),
+        "peak_live_tokens": mean_over_traces("peak_live_tokens"),
+        "peak_kv_bytes": mean_over_traces("peak_kv_bytes"),
         "seconds": sum(u.get("timings", {}).get("seconds", 0.0) for u in ok),
     }
 
@@ -146,6 +154,8 @@ COLUMNS = {
         "mean KL",
         "top-1",
         "ppl ratio",
+        "peak K/V",
+        "peak live",
         "live/head",
         "errors",
     ],
@@ -176,6 +186,8 @@ def cells(kind: str, row: dict) -> list[str]:
             format_or_dash(row["mean_kl"], ".4f"),
             format_or_dash(row["top1"], ".3f"),
             format_or_dash(row["ppl_ratio"], ".3f"),
+            "-" if row.get("peak_kv_bytes") is None else format_bytes(row["peak_kv_bytes"]),
+            format_or_dash(row.get("peak_live_tokens"), ".0f"),
             format_or_dash(row["live_tokens"], ".0f"),
             errors,
         ]
@@ -195,15 +207,15 @@ def cells(kind: str, row: dict) -> list[str]:
 def rich_table(section: Section, width: int | None = None):
     """The section as a rich table fitted to `width` columns (default: the terminal's)."""
     from rich import box
+    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    from reasonkv.util.tables import fill_table
-
     caption = (
         "pooled over every scored trace position (tokens); mean KL(full ‖ method) in nats; top-1: "
-        "argmax agrees with full; ppl ratio: exp(mean NLL − mean NLL of full); live/head: KV tokens "
-        "per head attended"
+        "argmax agrees with full; ppl ratio: exp(mean NLL − mean NLL of full); peak K/V: the most K/V "
+        "storage held at once per sequence; peak live / live/head: KV tokens per head attended, at "
+        "most / on average"
         if section.kind == "replay"
         else "pooled over every sample; length: mean generated tokens; truncated: hit max_new_tokens"
     )
@@ -217,12 +229,36 @@ def rich_table(section: Section, width: int | None = None):
     )
     names = list(COLUMNS[section.kind])
     rows = [cells(section.kind, row) for row in section.rows]
-    if not any(row["errors"] for row in section.rows):  # an empty column only takes room
-        keep = [i for i, name in enumerate(names) if name != "errors"]
-        names, rows = [names[i] for i in keep], [[r[i] for i in keep] for r in rows]
+    drop = [] if any(row["errors"] for row in section.rows) else ["errors"]  # an empty column only takes room
+    width = Console().width if width is None else width
+    hidden = []
+    for name in NARROW_DROPS[section.kind]:  # the least needed columns go first in a narrow terminal
+        if _table_width(rows, names, drop) <= width:
+            break
+        drop.append(name)
+        hidden.append(name)
+    keep = [i for i, name in enumerate(names) if name not in drop]
+    names, rows = [names[i] for i in keep], [[r[i] for i in keep] for r in rows]
+    if hidden:
+        table.caption += f" ({', '.join(hidden)}: left out at {width} columns; see report.md)"
     styles = ["red" if row["errors"] else None for row in section.rows]
     fill_table(table, names, rows, row_styles=styles, width=width)
     return table
+
+
+NARROW_DROPS = {"replay": ["tokens", "traces", "ppl ratio", "peak live"], "eval": ["samples", "problems"]}
+"""Columns a narrow terminal leaves out, in order (the Markdown report keeps every column)."""
+
+
+def _table_width(rows: list[list[str]], names: list[str], drop: list[str]) -> int:
+    """Columns the table needs with the label folded to its narrowest (2 between columns)."""
+    widths = []
+    for i, name in enumerate(names):
+        if name in drop:
+            continue
+        cell = max([len(name)] + [len(r[i]) for r in rows])
+        widths.append(min(cell, LABEL_MIN_WIDTH) if i == 0 else cell)
+    return sum(widths) + 2 * (len(widths) - 1)
 
 
 def markdown_table(section: Section) -> str:
@@ -251,19 +287,22 @@ def method_styles(names: list[str]) -> dict[str, dict]:
     }
 
 
+def _method_lines(ax, by_method: dict, style: dict, x_of, y_key: str) -> None:
+    """One line per method through its (x, y) points; a method with one point is a marker."""
+    for name, rows in by_method.items():
+        points = sorted((x_of(r), r[y_key]) for r in rows if x_of(r) is not None and r[y_key] is not None)
+        if points:
+            ax.plot([x for x, _ in points], [y for _, y in points], ms=4, label=name, **style[name])
+
+
 def plot_section(section: Section, path: str | Path) -> Path:
-    """Metric vs budget, one line per method; a method without a budget (full) is a
-    dashed horizontal line. Replay: mean KL and top-1, and a third panel of mean KL vs the
-    live tokens per head, since methods hold different numbers of tokens at one budget
-    (equal budget is not equal memory); eval: pass@1 and mean length."""
+    """Replay: mean KL and top-1 against the peak K/V bytes per sequence (what decides how many
+    sequences fit; budget when the records predate peak bytes), and mean KL against the mean
+    live tokens per head. The full cache (KL 0) is a vertical line at its peak. Eval: pass@1
+    and mean length against the budget."""
     from reasonkv.util.plotting import pyplot, save_figure
 
     plt = pyplot()
-    if section.kind == "replay":
-        panels = [("mean_kl", "mean KL(full ‖ method) [nats]"), ("top1", "top-1 agreement with full")]
-    else:
-        panels = [("pass@1", "pass@1"), ("mean_length", "mean generated length [tokens]")]
-    n_axes = len(panels) + (section.kind == "replay")  # replay adds KL vs live tokens
     by_method: dict[str, list[dict]] = {}
     for row in section.rows:
         if row["units"] > row["errors"]:
@@ -271,45 +310,45 @@ def plot_section(section: Section, path: str | Path) -> Path:
     style = method_styles(list(by_method))
     legend_inches = 0.25 * math.ceil(len(by_method) / LEGEND_COLUMNS) + 0.15
     height = 4 + legend_inches
-    fig, axes = plt.subplots(1, n_axes, figsize=(5.5 * n_axes, height))
-    budgets = sorted({r["budget"] for r in section.rows if r["budget"] is not None})
-    for ax, (metric, ylabel) in zip(axes, panels, strict=False):
-        for name, rows in by_method.items():
-            flat = [r for r in rows if r["budget"] is None and r[metric] is not None]
-            points = [
-                (r["budget"], r[metric]) for r in rows if r["budget"] is not None and r[metric] is not None
-            ]
-            if flat:
-                ax.axhline(flat[0][metric], ls="--", color="grey", lw=1, label=name)
-            if points:
-                ax.plot([b for b, _ in points], [v for _, v in points], ms=4, label=name, **style[name])
-        if budgets:
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(budgets, [str(b) for b in budgets])
-            ax.minorticks_off()
-        ax.set_xlabel("budget (KV tokens per head)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
     if section.kind == "replay":
-        live_ax = axes[2]
-        for name, rows in by_method.items():
-            points = sorted(
-                (r["live_tokens"], r["mean_kl"])
-                for r in rows
-                if r["live_tokens"] is not None and r["mean_kl"] is not None
-            )
-            if points:
-                flat_only = all(r["budget"] is None for r in rows)
-                live_style = {"ls": "none", "color": "grey", "marker": "o"} if flat_only else style[name]
-                live_ax.plot([x for x, _ in points], [y for _, y in points], ms=4, label=name, **live_style)
-        live_ax.set_xscale("log", base=2)
-        live_ax.set_xlabel("live KV tokens per head (mean over positions)")
-        live_ax.set_ylabel(panels[0][1])
-        live_ax.grid(alpha=0.3)
-        top = max((r["mean_kl"] for r in section.rows if r["mean_kl"] is not None), default=0.0)
-        for ax in (axes[0], live_ax):  # KL spans decades and is 0 for full: log above 1e-3, linear below
-            ax.set_yscale("symlog", linthresh=1e-3)
-            ax.set_ylim(0, max(top * 2, 1e-2))
+        compressing = [r for rows in by_method.values() for r in rows if r["budget"] is not None]
+        by_peak = bool(compressing) and all(r.get("peak_kv_bytes") is not None for r in compressing)
+        x_of = (lambda r: r["peak_kv_bytes"] / 2**20) if by_peak else (lambda r: r["budget"])
+        x_label = "peak K/V storage per sequence [MiB]" if by_peak else "budget (KV tokens per head)"
+        panels = [
+            (x_of, x_label, "mean_kl", "mean KL(full ‖ method) [nats]"),
+            (x_of, x_label, "top1", "top-1 agreement with full"),
+            (
+                lambda r: r["live_tokens"],
+                "live KV tokens per head (mean over positions)",
+                "mean_kl",
+                "mean KL",
+            ),
+        ]
+    else:
+        budget = lambda r: r["budget"]  # noqa: E731
+        panels = [
+            (budget, "budget (KV tokens per head)", "pass@1", "pass@1"),
+            (budget, "budget (KV tokens per head)", "mean_length", "mean generated length [tokens]"),
+        ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), height))
+    for ax, (x, x_label, y_key, y_label) in zip(axes, panels, strict=True):
+        lines = {n: [r for r in rows if r["budget"] is not None] for n, rows in by_method.items()}
+        _method_lines(ax, {n: rows for n, rows in lines.items() if rows}, style, x, y_key)
+        for name, rows in by_method.items():  # the reference: never compresses
+            for r in rows:
+                if r["budget"] is None and r[y_key] is not None:
+                    if section.kind == "replay" and y_key == "mean_kl":
+                        if x(r) is not None:
+                            ax.axvline(x(r), ls="--", color="grey", lw=1, label=name)
+                    else:
+                        ax.axhline(r[y_key], ls="--", color="grey", lw=1, label=name)
+        ax.set_xscale("log", base=2)
+        if section.kind == "replay" and y_key == "mean_kl":
+            ax.set_yscale("log")  # KL spans decades; the full cache's 0 is the vertical line
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(y_label)
+        ax.grid(alpha=0.3, which="both")
     # One legend for all panels, below them: it then hides no line.
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(
