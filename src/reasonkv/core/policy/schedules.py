@@ -178,16 +178,11 @@ class PeriodicState(PolicyState):
 class PeriodicRatio(Schedule):
     """RPC's schedule: every P generated tokens, keep P/c of them (Song et al., arXiv 2505.13866).
 
-    With R = the protected recent window (`n_recent`) and m = compressions so far, a row
-    compresses when the generated tokens it holds reach m·P/c + R + P, i.e. the first time
-    at P + R generated tokens and then every P tokens, and keeps its prompt +
-    (m+1)·P/c selected generated tokens + R. The cache therefore grows by P/c per period
-    (overall ≈ 1/c of the generated tokens), it is not bounded by the budget.
-
-    budget = P/c, the tokens retained per period; P = budget·ratio unless `interval` is set,
-    in which case P = interval and P/c = interval // ratio (the budget then only needs to be
-    positive). One P per layer (its largest head budget). Counts assume the prompt is kept
-    (protect_prompt, the rpc default).
+    A row compresses when the generated tokens it holds reach m·P/c + R + P (m = compressions so
+    far, R = the protected recent window), and keeps its prompt + (m+1)·P/c selected generated
+    tokens + R: the cache grows by P/c per period, unbounded by the budget. budget = P/c, and
+    P = budget·ratio unless `interval` sets P (then P/c = interval // ratio). One P per layer
+    (its largest head budget); counts assume the prompt is kept (protect_prompt).
     """
 
     name: str = "periodic"

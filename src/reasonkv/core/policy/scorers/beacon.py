@@ -238,17 +238,13 @@ class BeaconKVScorer(Scorer):
         attention_scaling: float = 1.0,
         ahead: bool = False,
     ) -> None:
-        """Feed the queued queries (post-RoPE, oldest first) into the beacon buffers: rotated
-        back to pre-RoPE, each giving G points per KV head (query, then group head), padding
-        queries excluded. Scoring calls it; so may anyone who reads the buffers.
+        """Feed the queued queries of every layer in `state.group` into their beacon buffers, in
+        one FPS pass (buffers stacked along the batch axis: 30 times fewer small ops on the
+        default model). Scoring calls it, and so may anyone who reads the buffers.
 
-        The queues of every layer in `state.group` are fed at once: their buffers are stacked
-        along the batch axis, so one FPS pass serves every layer (30 times fewer small ops on
-        the default model); a shorter queue is padded with invalid points, which FPS skips.
         With `ahead` (scoring), a layer that has not run this forward yet is also fed the
-        queries this forward will push out of its recent window: they are already known (the
-        oldest recent ones), and its own scoring then finds nothing to feed. The order of
-        arrival is unchanged, so the buffers are too.
+        queries this forward will push out of its recent window (its oldest recent ones), so
+        its own scoring finds nothing left to feed; arrival order, hence the buffers, is unchanged.
         """
         forward, q = state.forwards, state.step_size
         fed, queues = [], []

@@ -21,18 +21,10 @@ QUERY_CHUNK = 256
 
 @dataclass
 class H2OScorer(Scorer):
-    """Cumulative attention per (row, KV head, token), summed over the GQA group's query heads
-    (the group is one cache head; the original sums over every query head of the KV head).
-
-    `on_step` adds each forward's attention probabilities (prefill: every prompt query, causal;
-    padding queries and EMPTY keys excluded) to the per-token state "h2o_acc", which the cache
-    gathers with the keys at every eviction. `score` returns it, with the newest
-    ⌊recent_ratio · target⌋ real tokens of each head raised to +inf: the recent half of H2O's
-    heavy + recent budget split (target = the schedule's kept tokens for the head's budget).
-
-    `score` reads only the accumulated state, so the cache's query window is the minimum (1):
-    every query reaches `on_step` through the step observation anyway.
-    """
+    """Cumulative attention per (row, KV head, token), summed over the GQA group's query heads,
+    kept in the per-token state "h2o_acc" (so it moves with the keys at every eviction). The
+    newest ⌊recent_ratio · target⌋ real tokens of each head score +inf: H2O's recent half.
+    `score` reads only that state, so the query window is the minimum (1)."""
 
     recent_ratio: float = 0.5
     window: int = field(default=1, init=False, repr=False)
