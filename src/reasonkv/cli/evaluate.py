@@ -18,6 +18,7 @@ from reasonkv.cli.common import (
     CliError,
     MethodOption,
     MethodSetsOption,
+    ModelOption,
     check_attn,
     console,
     fail,
@@ -79,9 +80,7 @@ def eval_command(
     dataset: Annotated[
         str, typer.Option("--dataset", "-d", help=f"{', '.join(KNOWN)}, or a jsonl with id, problem, answer.")
     ] = "math500",
-    model_name: Annotated[
-        str, typer.Option("--model", help="Bundled name (smollm2-135m), local directory or .gguf, or HF id.")
-    ] = DEFAULT_MODEL,
+    model_name: ModelOption = DEFAULT_MODEL,
     method: MethodOption = "snapkv",
     budget: BudgetOption = 128,
     sets: MethodSetsOption = None,
