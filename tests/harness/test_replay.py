@@ -216,12 +216,18 @@ def test_peak_memory_of_a_replay_is_what_the_cache_held_at_most() -> None:
     runs = [ReplayRun("full", None), ReplayRun("snapkv", 16, {"interval": 8}), ReplayRun("beaconkv", 32)]
     inputs = [ReplayInput("a", trace_ids(), PROMPT), ReplayInput("b", trace_ids(seed=1), PROMPT)]
     (full, snap, beacon), _ = replay_batch(model, inputs, runs)
-    assert full.peak_live_tokens == TRACE - 1  # the last fed token saw every token, itself included
-    assert snap.peak_live_tokens == 16 + 8 and beacon.peak_live_tokens == 32
+    assert full.peak_live_tokens == full.decode_peak_live_tokens == TRACE - 1  # the last token saw all
+    assert snap.decode_peak_live_tokens == 16 + 8 and beacon.decode_peak_live_tokens == 32
     per_slot = 2 * KV_HEADS * 16 * 4  # K and V, KV heads, head dim 16, fp32: one row
-    assert snap.peak_kv_bytes == (N_LAYERS + 1) * (16 + 8) * per_slot
-    assert snap.mean_kv_bytes <= snap.peak_kv_bytes < full.peak_kv_bytes
-    assert snap.live_tokens < snap.peak_live_tokens
+    assert snap.decode_peak_kv_bytes == (N_LAYERS + 1) * (16 + 8) * per_slot
+    assert snap.mean_kv_bytes <= snap.decode_peak_kv_bytes < full.decode_peak_kv_bytes
+    assert snap.live_tokens < snap.decode_peak_live_tokens
+    # A prompt longer than the budget is held whole for its forward: the peak over the whole
+    # run says so, the peak while decoding does not.
+    long = ReplayInput("long", trace_ids(), 40)
+    (snap_long,), _ = replay_batch(model, [long, inputs[1]], [ReplayRun("snapkv", 16, {"interval": 8})])
+    assert snap_long.peak_live_tokens == 40 and snap_long.decode_peak_live_tokens == 16 + 8
+    assert snap_long.peak_kv_bytes > snap_long.decode_peak_kv_bytes
 
 
 # --------------------------------------------------------------------- arithmetic

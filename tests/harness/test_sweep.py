@@ -500,7 +500,7 @@ def test_eval_sweep_units_per_problem_and_seed_repeat_exactly(tmp_path) -> None:
 
 # ----------------------------------------------------------------------- report
 def replay_line(key, method, budget, item, sums, status="ok", live=10.0, peak=None, **config) -> dict:
-    """A sweep record; `peak` = (peak K/V bytes, peak live tokens), absent in older records."""
+    """A sweep record; `peak` = (peak K/V bytes, peak live tokens while decoding), absent in older records."""
     cfg = {
         "kind": "replay",
         "model": "m",
@@ -522,7 +522,7 @@ def replay_line(key, method, budget, item, sums, status="ok", live=10.0, peak=No
         "metrics": {
             "sums": sums_d,
             "live_tokens": live,
-            **({} if peak is None else {"peak_kv_bytes": peak[0], "peak_live_tokens": peak[1]}),
+            **({} if peak is None else {"decode_peak_kv_bytes": peak[0], "decode_peak_live_tokens": peak[1]}),
         },
         "timings": {"seconds": 1.0},
     }

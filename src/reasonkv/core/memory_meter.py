@@ -22,3 +22,8 @@ class MemoryMeter:
 
     def reset(self) -> None:
         self.current = self.peak = 0
+
+    def restart_peak(self) -> int:
+        """Start a new peak from what is held now (e.g. after a prompt's forward); return the old one."""
+        old, self.peak = self.peak, self.current
+        return old

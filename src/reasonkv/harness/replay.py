@@ -128,9 +128,16 @@ class ReplayResult:
     live_tokens: float = 0.0
     """Mean KV tokens per head that each trace position attended to (the cache it saw)."""
     peak_live_tokens: float = 0.0
-    """The most KV tokens per head (mean over layers and heads) any position attended to."""
+    """The most KV tokens per head (mean over layers and heads) any token attended to, the
+    prompt's forward included (a prompt longer than the budget is held whole for that forward)."""
     peak_kv_bytes: float = 0.0
-    """The most K/V storage held at once, per sequence (a batch's bytes over its rows)."""
+    """The most K/V storage held at once, per sequence (a batch's bytes over its rows), the
+    prompt's forward included."""
+    decode_peak_live_tokens: float = 0.0
+    """The same as peak_live_tokens over the trace positions only (after the prompt): the
+    steady state of a long generation, which the prompt no longer dominates."""
+    decode_peak_kv_bytes: float = 0.0
+    """The same as peak_kv_bytes after the prompt's forward."""
     mean_kv_bytes: float = 0.0
     """K/V storage held per sequence after each forward, averaged over the positions it served."""
     forwards: int = 0
@@ -157,6 +164,8 @@ class ReplayResult:
             "live_tokens": self.live_tokens,
             "peak_live_tokens": self.peak_live_tokens,
             "peak_kv_bytes": self.peak_kv_bytes,
+            "decode_peak_live_tokens": self.decode_peak_live_tokens,
+            "decode_peak_kv_bytes": self.decode_peak_kv_bytes,
             "mean_kv_bytes": self.mean_kv_bytes,
             "forwards": self.forwards,
             "compressions": self.compressions,
@@ -266,7 +275,8 @@ class _Lane:
     stepwise: bool
     records: list[dict[str, torch.Tensor]] = field(default_factory=list)
     live_weighted: torch.Tensor | None = None  # [B] live tokens summed over positions
-    peak_live: torch.Tensor | None = None  # [B]
+    peak_live: torch.Tensor | None = None  # [B] over the trace positions
+    prefill_peak_kv: int = 0  # the meter's peak during the prompt's forward
     kv_weighted: torch.Tensor | None = None  # [B] K/V bytes per row summed over positions
     forwards: int = 0
     seconds: float = 0.0
@@ -361,8 +371,8 @@ def replay_batch(
             lane.seconds += time.perf_counter() - t0
             lane.live_weighted = torch.zeros(rows, dtype=torch.float64)
             lane.kv_weighted = torch.zeros(rows, dtype=torch.float64)
-            # The prompt's last token attended to the whole prompt.
-            lane.peak_live = torch.tensor([float(inp.prompt_len) for inp in inputs], dtype=torch.float64)
+            lane.peak_live = torch.zeros(rows, dtype=torch.float64)
+            lane.prefill_peak_kv = lane.cache.kv_meter.restart_peak()
         for a in range(p0, end, block):
             b = min(a + block, end)
             targets = batch.ids[:, a + 1 : b + 1]
@@ -389,8 +399,10 @@ def replay_batch(
                     prompt_len=inp.prompt_len,
                     **{k: v[r, :n] for k, v in cat.items()},
                     live_tokens=float(lane.live_weighted[r]) / n,
-                    peak_live_tokens=float(lane.peak_live[r]),
-                    peak_kv_bytes=lane.cache.kv_meter.peak / rows,
+                    peak_live_tokens=max(float(lane.peak_live[r]), float(inp.prompt_len)),
+                    peak_kv_bytes=max(lane.prefill_peak_kv, lane.cache.kv_meter.peak) / rows,
+                    decode_peak_live_tokens=float(lane.peak_live[r]),
+                    decode_peak_kv_bytes=lane.cache.kv_meter.peak / rows,
                     mean_kv_bytes=float(lane.kv_weighted[r]) / n,
                     forwards=lane.forwards,
                     compressions=sum(1 for e in events if e is None or bool(e[r])),

@@ -98,6 +98,8 @@ def replay_task(model, tokenizer, task: Task) -> list[dict]:
             live_tokens=r.live_tokens,
             peak_live_tokens=r.peak_live_tokens,
             peak_kv_bytes=r.peak_kv_bytes,
+            decode_peak_live_tokens=r.decode_peak_live_tokens,
+            decode_peak_kv_bytes=r.decode_peak_kv_bytes,
             mean_kv_bytes=r.mean_kv_bytes,
             batch_rows=len(inputs),
             forwards=r.forwards,
