@@ -9,7 +9,7 @@ _NULL = contextlib.nullcontext()
 
 class StepTimer:
     """The cache opens `section(name)` around each part of a step: update, mask,
-    after_attention, on_step, score, split, compress, compact, holes (sections nest: compress
+    after_attention, on_step, utility, score, split, compress, compact, holes (sections nest: compress
     contains compact or holes). This default times nothing; a benchmark sets its own on the
     cache (`cache.timer = ...`)."""
 
