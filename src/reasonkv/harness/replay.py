@@ -127,19 +127,13 @@ class ReplayResult:
     nll: torch.Tensor
     live_tokens: float = 0.0
     """Mean KV tokens per head that each trace position attended to (the cache it saw)."""
-    peak_live_tokens: float = 0.0
-    """The most KV tokens per head (mean over layers and heads) any token attended to, the
-    prompt's forward included (a prompt longer than the budget is held whole for that forward)."""
-    peak_kv_bytes: float = 0.0
-    """The most K/V storage held at once, per sequence (a batch's bytes over its rows), the
-    prompt's forward included."""
+    # Peaks per sequence (a batch's K/V bytes over its rows), over the whole run and over the
+    # trace positions only: a prompt longer than the budget is held whole for its one forward.
+    peak_live_tokens: float = 0.0  # the most KV tokens per head any token attended to
+    peak_kv_bytes: float = 0.0  # the most K/V storage held at once
     decode_peak_live_tokens: float = 0.0
-    """The same as peak_live_tokens over the trace positions only (after the prompt): the
-    steady state of a long generation, which the prompt no longer dominates."""
     decode_peak_kv_bytes: float = 0.0
-    """The same as peak_kv_bytes after the prompt's forward."""
-    mean_kv_bytes: float = 0.0
-    """K/V storage held per sequence after each forward, averaged over the positions it served."""
+    mean_kv_bytes: float = 0.0  # held after each forward, averaged over the positions it served
     forwards: int = 0
     compressions: int = 0
     """Compression events over the trace, all layers together."""
