@@ -53,12 +53,18 @@ def _entropies(obs: Observation, keys: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def query_entropy(obs: Observation, keys: torch.Tensor) -> torch.Tensor:
     """[B, H, W] normalised attention entropy of each observed query, averaged over the group's
-    query heads (0 for padding queries)."""
+    query heads (0 for padding queries). Runs at every decode step of every layer, so it is
+    written for few tensor ops: xlogy is 0 where a probability is 0."""
     parts = []
     for start in range(0, obs.queries.shape[2], QUERY_CHUNK):
         sl = slice(start, start + QUERY_CHUNK)
         block = replace(obs, queries=obs.queries[:, :, sl], query_index=obs.query_index[:, sl])
-        parts.append(_entropies(block, keys)[0].mean(2))
+        allowed = candidate_mask(block)  # [B, H, 1, W, T]
+        logits = grouped_logits(block.queries, keys, block.scaling).masked_fill(~allowed, float("-inf"))
+        p = torch.softmax(logits, dim=-1)
+        ent = -torch.special.xlogy(p, p).sum(-1)  # [B, H, G, W]; NaN for a query with no key
+        n = allowed.sum(-1)  # [B, H, 1, W]
+        parts.append(torch.where(n > 1, ent / n.clamp(min=2).log(), 0.0).mean(2))
     return torch.cat(parts, dim=-1) * obs.query_valid[:, None, :]
 
 
@@ -68,6 +74,10 @@ def running_mean(
     """Exponential moving average r <- decay·r + (1 − decay)·v over the valid values [B, H, W]
     (valid [B, W]) in order, from `previous` [B, H] (−1: none yet, then it starts at the first
     valid value). Closed form, so a chunk of W queries gives what W single steps would."""
+    if values.shape[-1] == 1:  # a decode step: one query per row
+        v = values[..., 0]
+        start = torch.where(previous < 0, v, previous)
+        return torch.where(valid[:, :1], start * decay + (1.0 - decay) * v, previous)
     valid_f = valid.to(values.dtype)[:, None, :]  # [B, 1, W]
     after = valid_f.flip(-1).cumsum(-1).flip(-1) - valid_f  # valid values after each one
     weights = valid_f * (1.0 - decay) * decay**after
