@@ -12,6 +12,7 @@ import torch
 import reasonkv
 from conftest import N_LAYERS, build_tiny_model, greedy_loop, random_prompt, tiny_model
 from reasonkv.core.policy.allocators.reasonalloc import EntropyHeadSplit, layer_budgets
+from reasonkv.core.policy.base import Observation
 from reasonkv.harness.profile import curve_agreement, plot_wave, profile_trace
 from reasonkv.methods.profiles import config_hash, find_profile, load_profile, save_profile
 
@@ -166,17 +167,22 @@ def _entropy_by_loop(queries, query_index, token_index, keys, scaling: float) ->
     return out
 
 
-def test_step_utility_is_a_running_mean_over_every_query(monkeypatch) -> None:
+@pytest.mark.parametrize("entropy_every", [1, 5])
+def test_step_utility_is_a_running_mean_over_every_query(monkeypatch, entropy_every: int) -> None:
     """The head split's utility="step" entropy equals a loop over every forward's queries (a
     left-padded prompt, then decode steps): each valid query's normalised entropy over the keys
-    it may see, averaged over the group, folded in one at a time with step_ema."""
+    it saw at its own step, averaged over the group, folded in one at a time with step_ema,
+    whether each step is folded in at once or queued and folded in batches of 5 (before every
+    compression, so the keys a queued query saw are all still there)."""
     model = tiny_model("llama", "sdpa", 2)
     prompts = [random_prompt(9, seed=40)[0], random_prompt(5, seed=41)[0]]
     ids = torch.zeros(2, 9, dtype=torch.long)
     mask = torch.zeros(2, 9, dtype=torch.long)
     for r, p in enumerate(prompts):
         ids[r, 9 - len(p) :], mask[r, 9 - len(p) :] = p, 1
-    cache = reasonkv.make_cache(model, "reasonalloc-head-rkv", 12, interval=4, step_ema=0.8)
+    cache = reasonkv.make_cache(
+        model, "reasonalloc-head-rkv", 12, interval=4, step_ema=0.8, entropy_every=entropy_every
+    )
     calls: dict[int, list] = {}
     original = EntropyHeadSplit.on_step
 
@@ -205,7 +211,11 @@ def test_step_utility_is_a_running_mean_over_every_query(monkeypatch) -> None:
                         if e is not None:
                             r = running[b][h]
                             running[b][h] = e if r is None else 0.8 * r + 0.2 * e
-        got = cache.layers[layer_idx].states.head_allocator.entropy
+        layer = cache.layers[layer_idx]
+        state = layer.states.head_allocator
+        now = Observation(layer.queries, layer.query_index, layer.token_index, cache.scaling)
+        cache.policy.head_allocator.flush(now, layer.keys[:, :, : layer.used], state)  # the queue's tail
+        got = state.entropy
         torch.testing.assert_close(
             got.double(), torch.tensor(running, dtype=torch.float64), atol=1e-5, rtol=0
         )

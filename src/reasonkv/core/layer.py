@@ -99,6 +99,8 @@ class CompressedLayer(CacheLayerMixin):
         self.view = _View(self)
         scorer: Scorer = policy.scorer
         self._window_size = max(scorer.window, 1)
+        allocator_backlog = 0 if policy.head_allocator is None else policy.head_allocator.query_backlog
+        self._window_keep = max(self._window_size + scorer.query_backlog, allocator_backlog)
         self._observes_steps = type(scorer).on_step is not Scorer.on_step
         allocator = policy.head_allocator
         self._allocator_observes = (
@@ -253,7 +255,7 @@ class CompressedLayer(CacheLayerMixin):
             if self._allocator_observes:
                 with self.timer.section("utility"):
                     policy.head_allocator.on_step(step, keys, self.states.head_allocator)
-        self.window.keep(query, index, positions, self._window_size + policy.scorer.query_backlog)
+        self.window.keep(query, index, positions, self._window_keep)
         schedule, view = policy.schedule, self.view
         rows = schedule.rows_to_compress(view, self.states.schedule)
         if rows is None:

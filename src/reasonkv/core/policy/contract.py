@@ -139,6 +139,8 @@ class HeadAllocator:
     """Moves a layer's budget between its heads at every compression (AdaKV, ReasonAlloc).
     `split` must keep each row's total exactly and give no head fewer than `min_tokens`."""
 
+    query_backlog: int = 0  # queries the layer's window must hold for this allocator
+
     def new_state(self, view: LayerView) -> PolicyState | None:
         return None
 

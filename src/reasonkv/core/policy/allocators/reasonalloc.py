@@ -17,7 +17,14 @@ from typing import Literal
 import torch
 
 from reasonkv.core.policy.base import Observation, candidate_mask, grouped_logits, masked_softmax
-from reasonkv.core.policy.contract import Allocator, HeadAllocator, LayerView, PolicyState, SplitRequest
+from reasonkv.core.policy.contract import (
+    Allocator,
+    HeadAllocator,
+    LayerView,
+    PolicyState,
+    QueryWindowView,
+    SplitRequest,
+)
 from reasonkv.core.policy.rounding import fill_to_caps, largest_remainder, water_fill
 
 
@@ -154,10 +161,13 @@ class ReasonAllocAllocator(Allocator):
 @dataclass
 class UtilityState(PolicyState):
     """One layer's head utilities, [B, H]: the last one used (−1 before a row's first
-    compression) and the running entropy of every step's queries (−1 before any)."""
+    compression) and the running entropy of every step's queries (−1 before any), with the
+    count of the newest queries still waiting in the layer's query window to be folded in."""
 
     utility: torch.Tensor
     entropy: torch.Tensor
+    window: QueryWindowView | None = None
+    pending: int = 0
     ROW_FIELDS = ("utility", "entropy")
 
 
@@ -180,21 +190,59 @@ class EntropyHeadSplit(HeadAllocator):
     prefer: Literal["focused", "diffuse"] = "focused"
     utility: Literal["step", "compression"] = "step"
     step_ema: float = 0.95
+    entropy_every: int = 32
+    """Decode queries wait in the layer's query window and enter the running entropy this many
+    at a time, in one pass (or before any compression, so no key they saw is gone yet). Keys
+    added after a query are causally masked, so the result is that of every single step."""
 
     def __post_init__(self) -> None:
         if self.utility not in ("step", "compression"):
             raise ValueError(f"utility must be 'step' or 'compression', got {self.utility!r}")
         if not 0.0 <= self.step_ema < 1.0:
             raise ValueError(f"step_ema must be in [0, 1), got {self.step_ema}")
+        if self.entropy_every < 1:
+            raise ValueError(f"entropy_every must be at least 1, got {self.entropy_every}")
+
+    @property
+    def query_backlog(self) -> int:
+        """The queries the layer's window must hold for the queue (see entropy_every)."""
+        return self.entropy_every if self.utility == "step" else 0
 
     def new_state(self, view: LayerView) -> UtilityState:
         b, h, _, device = view.shape
-        return UtilityState(torch.full((b, h), -1.0, device=device), torch.full((b, h), -1.0, device=device))
+        unset = torch.full((b, h), -1.0, device=device)
+        return UtilityState(unset, unset.clone(), view.window)
 
     def on_step(self, step: Observation, keys: torch.Tensor, state: PolicyState | None) -> None:
-        if self.utility == "step" and isinstance(state, UtilityState):
-            ent = query_entropy(step, keys)
-            state.entropy = running_mean(state.entropy, ent, step.query_valid, self.step_ema)
+        """Queue this forward's queries; fold the queue in when it would outgrow entropy_every."""
+        if self.utility != "step" or not isinstance(state, UtilityState):
+            return
+        q = step.queries.shape[2]
+        if state.pending + q <= self.entropy_every:
+            state.pending += q  # they stay in the layer's query window until folded in
+            return
+        if state.pending:  # the queued ones are the window's newest: fold them in with this step's
+            win, n = state.window, state.pending
+            step = replace(
+                step,
+                queries=torch.cat([win.queries[:, :, -n:], step.queries], dim=2),
+                query_index=torch.cat([win.query_index[:, -n:], step.query_index], dim=1),
+            )
+        self._fold(step, keys, state)
+
+    def _fold(self, obs: Observation, keys: torch.Tensor, state: UtilityState) -> None:
+        ent = query_entropy(obs, keys)
+        state.entropy = running_mean(state.entropy, ent, obs.query_valid, self.step_ema)
+        state.pending = 0
+
+    def flush(self, obs: Observation, keys: torch.Tensor, state: UtilityState) -> None:
+        """Fold the queued queries (the window's newest `pending`) in, over `keys` before any
+        eviction; the split calls it, and so may anyone who reads the running entropy."""
+        if state.pending and state.window is not None and state.window.queries is not None:
+            n, win = state.pending, state.window
+            self._fold(
+                replace(obs, queries=win.queries[:, :, -n:], query_index=win.query_index[:, -n:]), keys, state
+            )
 
     def split(self, request: SplitRequest, state: PolicyState | None = None) -> torch.Tensor:
         if request.keys is None:
@@ -203,6 +251,7 @@ class EntropyHeadSplit(HeadAllocator):
             raise ValueError(f"prefer must be 'focused' or 'diffuse', got {self.prefer!r}")
         ent = normalised_entropy(request.obs, request.keys)
         if self.utility == "step" and isinstance(state, UtilityState):
+            self.flush(request.obs, request.keys, state)
             ent = torch.where(state.entropy >= 0, state.entropy, ent)  # every step's, where measured
         utility = 1.0 - ent if self.prefer == "focused" else ent
         previous = state.utility if isinstance(state, UtilityState) else None
