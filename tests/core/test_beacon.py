@@ -458,7 +458,7 @@ def test_repeated_token_gives_one_beacon_per_query_head(scope: str, counts: list
     60 different positions (rope-scaled model), they must all be recognised as the same: one
     beacon in each query head's buffer, or G in each KV head's shared one."""
     model = build_tiny_model("llama", "sdpa", seed=0, init_range=0.02, rope_parameters=dict(ROPES["yarn"]))
-    cache = make_cache(model, "beaconkv", 512, beacon_scope=scope)
+    cache = make_cache(model, "beaconkv", 512, beacon_scope=scope, beacon_feed="all")  # prompt queries too
     with torch.no_grad():
         model(input_ids=torch.full((1, 60), 5), cache=cache)
         for _ in range(5):

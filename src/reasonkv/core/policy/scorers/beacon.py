@@ -140,7 +140,7 @@ class BeaconKVScorer(Scorer):
     it. The queue is the cache's own query history (`query_backlog`), so a decode step only
     counts: no tensor op per layer."""
     beacon_scope: Literal["query_head", "kv_head"] = "query_head"
-    beacon_feed: Literal["all", "generated", "no_sinks"] = "all"
+    beacon_feed: Literal["all", "generated", "no_sinks"] = "generated"
 
     def __post_init__(self) -> None:
         if not 1 <= self.beacon_min < self.beacon_max:
