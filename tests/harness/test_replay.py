@@ -209,15 +209,22 @@ def test_budget_beyond_the_trace_is_faithful_and_a_small_one_is_not() -> None:
 
 def test_peak_memory_of_a_replay_is_what_the_cache_held_at_most() -> None:
     """Peak live tokens per head: SnapKV at B + I (B = 16, I = 8) attends to B + I tokens
-    before each compression; BeaconKV (threshold) to its B = 32; the full cache to the whole trace.
+    before each compression; BeaconKV (threshold) to its B = 32; H2O (every step) to B + 1;
+    the full cache to the whole trace.
     Peak K/V bytes per sequence: the cache's meter over its rows; SnapKV's is the
     (layers + 1) x (B + I) slots of one layer compacting while the others are full."""
     model = tiny_model("llama", "sdpa", KV_HEADS)
-    runs = [ReplayRun("full", None), ReplayRun("snapkv", 16, {"interval": 8}), ReplayRun("beaconkv", 32)]
+    runs = [
+        ReplayRun("full", None),
+        ReplayRun("snapkv", 16, {"interval": 8}),
+        ReplayRun("beaconkv", 32),
+        ReplayRun("h2o", 16),
+    ]
     inputs = [ReplayInput("a", trace_ids(), PROMPT), ReplayInput("b", trace_ids(seed=1), PROMPT)]
-    (full, snap, beacon), _ = replay_batch(model, inputs, runs)
+    (full, snap, beacon, h2o), _ = replay_batch(model, inputs, runs)
     assert full.peak_live_tokens == full.decode_peak_live_tokens == TRACE - 1  # the last token saw all
     assert snap.decode_peak_live_tokens == 16 + 8 and beacon.decode_peak_live_tokens == 32
+    assert h2o.decode_peak_live_tokens == 16 + 1  # the new token is attended before the eviction
     per_slot = 2 * KV_HEADS * 16 * 4  # K and V, KV heads, head dim 16, fp32: one row
     assert snap.decode_peak_kv_bytes == (N_LAYERS + 1) * (16 + 8) * per_slot
     assert snap.mean_kv_bytes <= snap.decode_peak_kv_bytes < full.decode_peak_kv_bytes
