@@ -12,6 +12,7 @@ from transformers import LlamaForCausalLM
 
 import reasonkv
 from conftest import build_tiny_model
+from reasonkv.core.policy.base import EMPTY
 
 
 def flat_llama(attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
@@ -77,3 +78,10 @@ def profile_knobs(model, method: str) -> dict:
         demand = [1.0 + (i % 2) for i in range(n)]  # 1, 2, 1, 2, ... : layer budgets 2:1 apart
         save_profile({"model": "tiny", "config_hash": config_hash(model.config), "demand": demand}, path)
     return {"profile": str(path)}
+
+
+def kept_tokens(layer, row: int, shift: int = 0) -> list[list[int]]:
+    """Per KV head, the sequence indices a cache layer keeps for batch row `row`, minus `shift`
+    (a row's left padding: the same tokens alone have indices smaller by it)."""
+    index = layer.token_index
+    return [[int(i) - shift for i in index[row, h] if i != EMPTY] for h in range(index.shape[1])]

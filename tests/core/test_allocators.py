@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import HEAD_DIM, dynamic_cache, greedy_loop, left_pad, random_prompt, tiny_model
+from method_helpers import kept_tokens
 from reasonkv import make_cache
 from reasonkv.core.policy import EMPTY, Observation, SplitRequest, protected_mask
 from reasonkv.core.policy.allocators import AdaKVHeadAllocator, PyramidAllocator
@@ -259,7 +260,4 @@ def test_padded_batch_equals_rows_alone(method: str) -> None:
         alone = model.generate(p[None], cache=alone_cache, **kw)[:, p.numel() :]
         assert torch.equal(alone[0], batch[r])
         for lb, la in zip(cache.layers, alone_cache.layers, strict=True):
-            for h in range(lb.token_index.shape[1]):
-                kept_b = [int(i) - pad for i in lb.token_index[r, h] if i != EMPTY]
-                kept_a = [int(i) for i in la.token_index[0, h] if i != EMPTY]
-                assert kept_b == kept_a
+            assert kept_tokens(lb, r, pad) == kept_tokens(la, 0)

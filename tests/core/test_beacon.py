@@ -20,6 +20,7 @@ from conftest import (
     tiny_config,
     tiny_model,
 )
+from method_helpers import kept_tokens
 from reasonkv import make_cache
 from reasonkv.core.policy import EMPTY, BeaconKVScorer, Observation, protected_mask, select_tokens
 from reasonkv.core.policy.rope import apply_rope, rerotate, unapply_rope
@@ -510,10 +511,7 @@ def test_beaconkv_padded_batch_equals_rows_alone() -> None:
         alone = model.generate(p[None], cache=alone_cache, **kw)[:, p.numel() :]
         assert torch.equal(alone[0], batch[r])
         for lb, la in zip(cache.layers, alone_cache.layers, strict=True):
-            for h in range(lb.token_index.shape[1]):
-                kept_b = [int(i) - pad for i in lb.token_index[r, h] if i != EMPTY]
-                kept_a = [int(i) for i in la.token_index[0, h] if i != EMPTY]
-                assert kept_b == kept_a
+            assert kept_tokens(lb, r, pad) == kept_tokens(la, 0)
             for c, lay in ((cache, lb), (alone_cache, la)):  # feed the queued queries in
                 c.policy.scorer.flush(
                     lay.states.scorer, c.policy.rope_inv_freq, c.policy.rope_attention_scaling

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import greedy_loop, left_pad, random_prompt, tiny_model
+from method_helpers import kept_tokens
 from reasonkv import make_cache
 from reasonkv.core.policy import EMPTY, BeaconKVScorer, Observation, protected_mask, select_tokens
 from reasonkv.core.policy.scorers.random import MODULUS, RandomScorer
@@ -162,6 +163,4 @@ def test_random_in_a_padded_batch_keeps_what_each_row_keeps_alone() -> None:
         model.generate(p[None], cache=alone, max_new_tokens=40, do_sample=False)
         pad = ids.shape[1] - len(p)
         for lb, la in zip(batch.layers, alone.layers, strict=True):
-            got = [[int(i) - pad for i in row if i != EMPTY] for row in lb.token_index[r]]
-            want = [[int(i) for i in row if i != EMPTY] for row in la.token_index[0]]
-            assert got == want
+            assert kept_tokens(lb, r, pad) == kept_tokens(la, 0)
