@@ -57,7 +57,9 @@ def _result(
         ],
         "marks": trace.marks,
         "samples": samples,
-        "peak_kv_bytes": max(samples["kv_bytes"], default=0),
+        # The cache's meter: every moment counts, a layer holding old and new storage included.
+        "peak_kv_bytes": cache.kv_meter.peak,
+        "sampled_peak_kv_bytes": max(samples["kv_bytes"], default=0),
         "peak_physical_bytes": max(samples["physical_bytes"], default=0),
         "rss_before": trace.rss_before,
         "rss_peak": trace.rss_peak,

@@ -19,7 +19,8 @@ def summary_table(record: dict, baseline: str = BASELINE):
     table = Table(
         title=f"decode speed and memory · prompt {record['prompt_tokens']} + {lengths[-1]} forced tokens",
         caption="tok/s over the first and last windows of decoding; × full: ratio to the full cache in the "
-        "same run. KV: K/V storage at the longest length; peak KV: largest seen (sampled). RSS Δ: peak RSS "
+        "same run. KV: K/V storage at the longest length; peak KV: the most held at once (the cache's "
+        "meter). RSS Δ: peak RSS "
         "above the run's start. score+select: share of decode time in scoring, selection and compaction; "
         f"vs {baseline}: extra time over {baseline} at the same budget. "
         "top-1: argmax = reference's next token.",
