@@ -43,6 +43,25 @@ class CompressionEvent:
     rows: torch.Tensor | None = None  # [B] bool: the batch rows that compressed
 
 
+class ScorerStates(list):
+    """Every layer's scorer state, one list per cache. A list subclass, so that states which
+    batch work across layers (BeaconKV) can refer to it weakly and make no reference cycle."""
+
+
+class EventLog:
+    """The record of compressions, shared by a cache and its layers (the layers write to it;
+    it refers to neither, so dropping a cache frees its storage at once)."""
+
+    def __init__(self) -> None:
+        self.events: list[CompressionEvent] = []
+        self.enabled = True
+
+    def add(self, layer_idx: int, seen: int, lengths: torch.Tensor, rows: torch.Tensor) -> None:
+        if self.enabled:
+            # A copy: on CPU .cpu() is the live tensor, which later steps change in place.
+            self.events.append(CompressionEvent(layer_idx, seen, lengths.cpu().clone(), rows.cpu().clone()))
+
+
 @dataclass
 class LayerPolicy:
     """The method, as every layer of one cache applies it: which tokens (scorer), when and
@@ -79,7 +98,7 @@ class CompressedCache(Cache):
     ):
         if budgets.dim() != 2:
             raise ValueError(f"budgets must be [layers, kv_heads], got shape {tuple(budgets.shape)}")
-        scorer_states: list = [None] * budgets.shape[0]
+        scorer_states = ScorerStates([None] * budgets.shape[0])
         self.kv_meter = MemoryMeter()  # K/V bytes of all layers: now, and the most at once
         layers = [
             CompressedLayer(i, budgets[i], policy, scorer_states, self.kv_meter)
@@ -91,16 +110,31 @@ class CompressedCache(Cache):
         self.budgets = budgets.clone()
         self.scaling = scaling
         self._module_ids = [id(m) for m in attention_modules] if attention_modules else None
-        self.events: list[CompressionEvent] = []
-        self.record_events = True
+        self.event_log = EventLog()
         self.timer = NO_TIMER
         for layer in layers:
-            layer.report = self._record
+            layer.report = self.event_log.add
 
-    def _record(self, layer_idx: int, seen: int, lengths: torch.Tensor, rows: torch.Tensor) -> None:
-        if self.record_events:
-            # A copy: on CPU .cpu() is the live tensor, which later steps change in place.
-            self.events.append(CompressionEvent(layer_idx, seen, lengths.cpu().clone(), rows.cpu().clone()))
+    @property
+    def events(self) -> list[CompressionEvent]:
+        """One CompressionEvent per layer per compression, for plots (head budgets over steps)."""
+        return self.event_log.events
+
+    @events.setter
+    def events(self, events: list[CompressionEvent]) -> None:
+        self.event_log.events = events
+
+    @property
+    def record_events(self) -> bool:
+        return self.event_log.enabled
+
+    @record_events.setter
+    def record_events(self, enabled: bool) -> None:
+        self.event_log.enabled = enabled
+
+    def reset(self) -> None:
+        super().reset()
+        self.kv_meter.reset()  # a reused cache reports its new run's peak, not the last one's
 
     @property
     def timer(self) -> StepTimer:

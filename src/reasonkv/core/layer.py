@@ -14,6 +14,7 @@ So the current step always attends to the pre-eviction cache.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,10 +48,16 @@ class PolicyStates:
 
 
 class _View:
-    """The read-only `LayerView` policies get: live properties of the layer, no copies."""
+    """The read-only `LayerView` policies get: live properties of the layer, no copies. It
+    refers to the layer weakly, so layer and view make no reference cycle and a dropped cache
+    frees its storage at once instead of at the next garbage collection."""
 
     def __init__(self, layer: CompressedLayer):
-        self._layer = layer
+        self._ref = weakref.ref(layer)
+
+    @property
+    def _layer(self) -> CompressedLayer:
+        return self._ref()
 
     layer_idx = property(lambda self: self._layer.layer_idx)
     budgets = property(lambda self: self._layer.budgets)

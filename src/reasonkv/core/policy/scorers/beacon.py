@@ -26,6 +26,7 @@ token pooling by default.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -110,6 +111,16 @@ def add_points(
     return buf[:, :, :m_max].contiguous(), count
 
 
+def _weakly(group: list) -> list:
+    """The cache's list of scorer states, referred to weakly where it allows it: a state in it
+    that held it strongly would make a reference cycle and keep a dropped cache's storage alive
+    until the next garbage collection."""
+    try:
+        return weakref.proxy(group)
+    except TypeError:  # a plain list (tests build states by hand)
+        return group
+
+
 @dataclass
 class BeaconState(PolicyState):
     """One layer's beacon buffers and the bookkeeping of its queue of leaving queries."""
@@ -177,7 +188,7 @@ class BeaconKVScorer(Scorer):
             beacons=torch.zeros(b, x, self.beacon_max, d, device=device),
             count=torch.zeros(b, x, dtype=torch.long, device=device),
             window=view.window,
-            group=view.scorer_states,
+            group=_weakly(view.scorer_states),
             n_sink=view.n_sink,
         )
 
