@@ -81,10 +81,6 @@ def running_mean(
     """Exponential moving average r <- decay·r + (1 − decay)·v over the valid values [B, H, W]
     (valid [B, W]) in order, from `previous` [B, H] (−1: none yet, then it starts at the first
     valid value). Closed form, so a chunk of W queries gives what W single steps would."""
-    if values.shape[-1] == 1:  # a decode step: one query per row
-        v = values[..., 0]
-        start = torch.where(previous < 0, v, previous)
-        return torch.where(valid[:, :1], start * decay + (1.0 - decay) * v, previous)
     valid_f = valid.to(values.dtype)[:, None, :]  # [B, 1, W]
     after = valid_f.flip(-1).cumsum(-1).flip(-1) - valid_f  # valid values after each one
     weights = valid_f * (1.0 - decay) * decay**after
