@@ -22,6 +22,16 @@ from reasonkv.methods.registry import METHODS, MethodSpec
 from reasonkv.util import runtime
 
 
+# ---------------------------------------------------------------- version
+def test_version_is_the_installed_packages():
+    from importlib import metadata
+
+    result = runner.invoke(cli.app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"reasonkv {metadata.version('reasonkv')}"
+    assert reasonkv.__version__ == metadata.version("reasonkv")
+
+
 # ---------------------------------------------------------------- methods
 def test_methods_lists_every_registered_method():
     result = runner.invoke(cli.app, ["methods"], env=WIDE)

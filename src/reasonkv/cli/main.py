@@ -6,6 +6,8 @@ module only assembles them, in the order `reasonkv --help` lists them.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from reasonkv.cli.analyze import analyze_command
@@ -24,6 +26,26 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        import reasonkv
+
+        typer.echo(f"reasonkv {reasonkv.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Keep the KV cache of a reasoning LLM small while it writes a long chain of thought."""
+
+
 app.command("methods")(methods_command)
 app.command("generate")(generate_command)
 app.command("demo")(demo_command)

@@ -231,7 +231,10 @@ def load_grid(path: str | Path) -> Grid:
         except yaml.YAMLError as err:
             raise GridError(f"{path}: {err}") from None
     else:
-        import tomllib
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
+            import tomli as tomllib
 
         try:
             data = tomllib.loads(text)
