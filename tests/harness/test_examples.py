@@ -1,0 +1,44 @@
+"""Every example grid runs from a fresh clone: its traces are inside the repository and hold
+the ids it asks for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from reasonkv.harness.sweep.grid import load_grid
+
+ROOT = Path(__file__).resolve().parents[2]
+GRIDS = sorted((ROOT / "examples").rglob("*.toml"))
+
+
+def test_there_are_example_grids():
+    assert len(GRIDS) >= 2
+
+
+@pytest.mark.parametrize("path", GRIDS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_example_grid_reads_traces_shipped_in_the_repository(path):
+    grid = load_grid(path)
+    for dataset in grid.datasets:
+        source = Path(dataset.source).resolve()
+        assert source.is_relative_to(ROOT), f"{path.name} reads {source}, outside the repository"
+        assert source.is_file(), f"{path.name}: no file {source}"
+        rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+        ids = {r["id"] for r in rows}
+        wanted = dataset.settings.get("ids") or []
+        assert set(wanted) <= ids, f"{path.name} asks for ids not in {source.name}: {set(wanted) - ids}"
+        variant = dataset.settings.get("variant")
+        chosen = [r for r in rows if variant is None or r.get("variant") == variant]
+        assert len(chosen) >= (dataset.settings.get("limit") or 1)
+
+
+def test_shipped_traces_keep_their_source_and_licence():
+    data = ROOT / "examples" / "data"
+    readme = (data / "README.md").read_text()
+    assert "MIT License" in readme and "Copyright (c) 2025 Fcr09" in readme
+    for line in (data / "mip-math500-12.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        assert row["source_repo"] == "MingLiiii/MiP-Overthinking" and row["source_commit"]
+        assert row["trace"] and row["problem"]
