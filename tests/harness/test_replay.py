@@ -374,6 +374,11 @@ def test_replay_command_writes_results_table_and_plot(loader, tmp_path) -> None:
 
     assert plot.exists() and plot.stat().st_size > 1000
     assert "snapkv" in result.stdout and "ppl ratio" in result.stdout
+    # Not on a terminal: one plain line per finished trace × run, with its numbers.
+    unit_lines = [line for line in result.stderr.splitlines() if ": KL " in line]
+    assert len(unit_lines) == 2 * 5
+    snap_line = next(line for line in unit_lines if line.startswith("wp-1 snapkv@16: "))
+    assert f"KL {stored['mean_kl']:.4f}" in snap_line and "tokens/head" in snap_line
 
 
 def test_replay_command_batch_equals_one_by_one(loader, tmp_path) -> None:

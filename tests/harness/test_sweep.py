@@ -657,6 +657,10 @@ def test_sweep_and_report_commands_end_to_end(tmp_path, monkeypatch) -> None:
     assert "10 units: 0 already done, 6 run now, 4 failed" in result.output
     assert "below the protected window" in result.output
     assert len(lines_of(out)) == 10 and LOADS == ["tiny"]
+    # Not on a terminal: a plain line per finished unit, failures included.
+    logged = errors_of(result)
+    assert logged.count(": KL ") == 6 and logged.count(": failed: ") == 4
+    assert "started" in logged and "(100%)" in logged
 
     with out.open("ab") as f:  # a write cut short by kill -9
         f.write(b'{"key": "abc", "sta')

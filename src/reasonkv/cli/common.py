@@ -24,6 +24,7 @@ from reasonkv.harness.replay import ReplayRun
 from reasonkv.methods.api import make_cache
 from reasonkv.methods.knobs import knobs_for_methods
 from reasonkv.methods.registry import get_method
+from reasonkv.util.progress import LineProgress, progress_for
 from reasonkv.util.runtime import quiet_loading
 
 console = Console(highlight=False)
@@ -150,10 +151,11 @@ def loading_status(model_name: str) -> Iterator[None]:
         yield
 
 
-def progress_bar(transient: bool = False) -> Progress:
-    """A progress bar on stderr, so stdout holds only the results."""
+def progress_bar(transient: bool = False) -> Progress | LineProgress:
+    """Progress on stderr, so stdout holds only the results: a live bar on a terminal, plain
+    timestamped lines in a pipe or a log."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    return Progress(*columns, console=err_console, transient=transient)
+    return progress_for(err_console, *columns, transient=transient)
 
 
 def command_line(command: str, parts: list[object]) -> str:

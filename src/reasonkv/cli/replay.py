@@ -24,6 +24,7 @@ from reasonkv.cli.common import (
     check_runs_build,
     command_line,
     console,
+    err_console,
     fail,
     loading_status,
     parse_sets,
@@ -32,12 +33,34 @@ from reasonkv.cli.common import (
     split_list,
 )
 from reasonkv.core.models import DEFAULT_MODEL, load_model
-from reasonkv.harness.replay import BIN, BLOCK, plot_fidelity, replay_batch, replay_methods, summarize
+from reasonkv.harness.replay import (
+    BIN,
+    BLOCK,
+    metrics,
+    plot_fidelity,
+    replay_batch,
+    replay_methods,
+    summarize,
+)
 from reasonkv.harness.traces import load_traces, replay_input
 from reasonkv.util.formatting import format_or_dash
 from reasonkv.util.records import utc_timestamp, write_json_atomic
 from reasonkv.util.runtime import set_threads
 from reasonkv.util.tables import fill_table
+
+
+def _log_units(results: list, start: float) -> None:
+    """Not on a terminal (a pipe, a log): one plain line per finished trace × method × budget."""
+    if err_console.is_terminal:
+        return
+    for r in results:
+        run = r.run.method + (f"@{r.run.budget}" if r.run.budget is not None else "")
+        m = metrics(r.sums())
+        line = (
+            f"{r.trace_id} {run}: KL {m['mean_kl']:.4f}, top-1 {m['top1']:.3f}, "
+            f"peak {r.peak_live_tokens:.0f} tokens/head, {time.perf_counter() - start:.0f} s elapsed"
+        )
+        err_console.print(escape(line), soft_wrap=True, highlight=False)
 
 
 def replay_command(
@@ -109,11 +132,14 @@ def replay_command(
         if batch:
             for per_trace in replay_batch(model, inputs, runs, progress=advance):
                 results += per_trace
+                _log_units(per_trace, start)
         for inp in inputs if not batch else []:
             progress.update(task, description=f"replaying {inp.id}")
-            results += replay_methods(
+            per_trace = replay_methods(
                 model, inp.input_ids, inp.prompt_len, runs, trace_id=inp.id, progress=advance
             )
+            results += per_trace
+            _log_units(per_trace, start)
     wall = time.perf_counter() - start
     summary = summarize(results, bin_size)
 

@@ -10,7 +10,6 @@ from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
-    Progress,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -19,6 +18,7 @@ from rich.progress import (
 from reasonkv.cli.common import console, err_console, fail
 from reasonkv.harness.report import load_records, rich_table, summarize_results, write_report
 from reasonkv.harness.sweep import GridError, SweepPlan, load_grid, plan, read_results, run_sweep
+from reasonkv.util.progress import progress_for
 
 INTERRUPTED = 130
 FAILED_UNITS = 1
@@ -77,7 +77,7 @@ def sweep_command(
         TextColumn("ETA"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=err_console) as progress:
+    with progress_for(err_console, *columns) as progress:
         task = None
 
         def on_start(p: SweepPlan) -> None:
@@ -90,6 +90,9 @@ def sweep_command(
         def on_records(records: list[dict]) -> None:
             failed = progress.tasks[0].fields["failed"] + sum(r["status"] != "ok" for r in records)
             progress.update(task, advance=len(records), failed=failed)
+            if not err_console.is_terminal:  # a log shows each unit's numbers as it lands
+                for record in records:
+                    err_console.print(escape(unit_line(record)), soft_wrap=True, highlight=False)
 
         try:
             stats = run_sweep(
@@ -130,6 +133,22 @@ def sweep_command(
         console.print(f"[dim]tables and plots: reasonkv report {escape(str(out))}[/dim]", soft_wrap=True)
     if stats.failed:
         raise typer.Exit(FAILED_UNITS)
+
+
+def unit_line(record: dict) -> str:
+    """One finished sweep unit as a plain line: what ran, its main numbers, its task's time."""
+    c = record["config"]
+    what = f"{c.get('item')} {c['method']}" + (f"@{c['budget']}" if c.get("budget") is not None else "")
+    if record["status"] != "ok":
+        return f"{what}: failed: {record.get('error', '?')}"
+    m = record["metrics"]
+    if c["kind"] == "replay":
+        peak = m.get("peak_live_tokens", 0)
+        numbers = f"KL {m['mean_kl']:.4f}, top-1 {m['top1']:.3f}, peak {peak:.0f} tokens/head"
+    else:
+        numbers = f"pass@1 {m['pass@1']:.3f}, {m['generated_tokens']} tokens"
+    seconds = record.get("timings", {}).get("task_seconds", record.get("timings", {}).get("seconds"))
+    return f"{what}: {numbers}" + (f" ({seconds:.0f} s)" if seconds is not None else "")
 
 
 def _plan_line(p: SweepPlan, out: Path) -> str:
