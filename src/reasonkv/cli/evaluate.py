@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 from rich import box
+from rich.console import Group
 from rich.markup import escape
 from rich.table import Table
 
@@ -42,7 +43,7 @@ THINK_HELP = (
 )
 
 
-def summary_table(result: dict) -> Table:
+def summary_table(result: dict) -> Table | Group:
     budget = result["budget"] if get_method(result["method"]).compresses else "-"
     decoding = "greedy" if result["greedy"] else f"T {result['temperature']}, top-p {result['top_p']}"
     size = f"{result['n_problems']} problems × {result['n_samples']} samples"
@@ -64,7 +65,7 @@ def summary_table(result: dict) -> Table:
         format_bytes(int(result["mean_live_kv_bytes"])),
     ]
     columns = ("method", "budget", "pass@1", "mean length", "truncated", "tok/s", "peak KV", "mean live KV")
-    return fill_table(table, columns, [row])
+    return fill_table(table, columns, [row], optional=("mean live KV", "tok/s", "peak KV"))
 
 
 def problem_line(row: dict) -> str:

@@ -186,8 +186,10 @@ def replay_command(
         ]
         for row in summary
     ]
-    fill_table(table, columns, rows, label_style="bold cyan", width=console.width)
-    console.print(table)
+    optional = ("seconds", "tokens", "ppl ratio")
+    console.print(
+        fill_table(table, columns, rows, label_style="bold cyan", width=console.width, optional=optional)
+    )
     console.print(f"[dim]{wall:.1f} s wall; results -> {escape(str(out))}[/dim]", soft_wrap=True)
     if plot is not None:
         console.print(f"fidelity plot -> {escape(str(plot_fidelity(summary, plot)))}")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from reasonkv.harness.sweep.log import read_results
 from reasonkv.util.formatting import format_bytes, format_or_dash
-from reasonkv.util.tables import LABEL_MIN_WIDTH, fill_table
+from reasonkv.util.tables import fill_table
 
 
 @dataclass
@@ -209,7 +209,6 @@ def cells(kind: str, row: dict) -> list[str]:
 def rich_table(section: Section, width: int | None = None):
     """The section as a rich table fitted to `width` columns (default: the terminal's)."""
     from rich import box
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
@@ -232,35 +231,14 @@ def rich_table(section: Section, width: int | None = None):
     names = list(COLUMNS[section.kind])
     rows = [cells(section.kind, row) for row in section.rows]
     drop = [] if any(row["errors"] for row in section.rows) else ["errors"]  # an empty column only takes room
-    width = Console().width if width is None else width
-    hidden = []
-    for name in NARROW_DROPS[section.kind]:  # the least needed columns go first in a narrow terminal
-        if _table_width(rows, names, drop) <= width:
-            break
-        drop.append(name)
-        hidden.append(name)
     keep = [i for i, name in enumerate(names) if name not in drop]
     names, rows = [names[i] for i in keep], [[r[i] for i in keep] for r in rows]
-    if hidden:
-        table.caption += f" ({', '.join(hidden)}: left out at {width} columns; see report.md)"
     styles = ["red" if row["errors"] else None for row in section.rows]
-    fill_table(table, names, rows, row_styles=styles, width=width)
-    return table
+    return fill_table(table, names, rows, row_styles=styles, width=width, optional=NARROW_DROPS[section.kind])
 
 
 NARROW_DROPS = {"replay": ["tokens", "traces", "ppl ratio", "peak live"], "eval": ["samples", "problems"]}
 """Columns a narrow terminal leaves out, in order (the Markdown report keeps every column)."""
-
-
-def _table_width(rows: list[list[str]], names: list[str], drop: list[str]) -> int:
-    """Columns the table needs with the label folded to its narrowest (2 between columns)."""
-    widths = []
-    for i, name in enumerate(names):
-        if name in drop:
-            continue
-        cell = max([len(name)] + [len(r[i]) for r in rows])
-        widths.append(min(cell, LABEL_MIN_WIDTH) if i == 0 else cell)
-    return sum(widths) + 2 * (len(widths) - 1)
 
 
 def markdown_table(section: Section) -> str:

@@ -52,7 +52,9 @@ def summary_table(record: dict, baseline: str = BASELINE):
                 format_or_dash(r["top1_agreement"], ".3f"),
             ]
         )
-    return fill_table(table, cols, rows)
+    # At 80 columns the first-window speed, ratios and RSS go first (the JSON keeps them all).
+    optional = ("tok/s first", "× full ", "RSS Δ", f"vs {baseline}", "top-1", "score+select")
+    return fill_table(table, cols, rows, optional=optional)
 
 
 def windows_table(record: dict):
@@ -60,18 +62,21 @@ def windows_table(record: dict):
     from rich import box
     from rich.table import Table
 
+    from reasonkv.util.tables import fill_table
+
     table = Table(title="tokens/s per window of decode steps (× full)", box=box.SIMPLE_HEAD)
-    table.add_column("run", no_wrap=True)
-    for w in record["runs"][0]["windows"]:
-        table.add_column(f"{w['start']}–{w['end']}", justify="right", no_wrap=True)
+    columns = ["run"] + [f"{w['start']}–{w['end']}" for w in record["runs"][0]["windows"]]
+    rows = []
     for r in record["runs"]:
         ratios = r.get("ratios", {}).get("windows") or [None] * len(r["windows"])
-        cells = [
-            f"{w['tokens_per_second']:.1f}" + ("" if q is None else f" ({q:.2f})")
-            for w, q in zip(r["windows"], ratios, strict=True)
-        ]
-        table.add_row(r["label"], *cells)
-    return table
+        rows.append(
+            [r["label"]]
+            + [
+                f"{w['tokens_per_second']:.1f}" + ("" if q is None else f" ({q:.2f})")
+                for w, q in zip(r["windows"], ratios, strict=True)
+            ]
+        )
+    return fill_table(table, columns, rows)
 
 
 def memory_table(record: dict):
@@ -79,15 +84,18 @@ def memory_table(record: dict):
     from rich import box
     from rich.table import Table
 
+    from reasonkv.util.tables import fill_table
+
     table = Table(title="K/V bytes at each length (× full)", box=box.SIMPLE_HEAD)
-    table.add_column("run", no_wrap=True)
-    for length in record["lengths"]:
-        table.add_column(str(length), justify="right", no_wrap=True)
+    columns = ["run"] + [str(length) for length in record["lengths"]]
+    rows = []
     for r in record["runs"]:
         ratios = r.get("ratios", {}).get("kv_bytes") or [None] * len(r["marks"])
-        cells = [
-            format_bytes(m["kv_bytes"]) + ("" if q is None else f" ({q:.3f})")
-            for m, q in zip(r["marks"], ratios, strict=True)
-        ]
-        table.add_row(r["label"], *cells)
-    return table
+        rows.append(
+            [r["label"]]
+            + [
+                format_bytes(m["kv_bytes"]) + ("" if q is None else f" ({q:.3f})")
+                for m, q in zip(r["marks"], ratios, strict=True)
+            ]
+        )
+    return fill_table(table, columns, rows)
