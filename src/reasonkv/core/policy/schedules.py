@@ -18,7 +18,7 @@ from reasonkv.core.policy.base import EMPTY
 from reasonkv.core.policy.contract import BudgetPlan, LayerView, PolicyState
 from reasonkv.core.policy.knob import knob, tokens, unit
 
-MAX_RATIO = 1e6
+MAX_RATIO = 10**6
 """The largest compression ratio c of RPC's schedule (it keeps P/c of every P tokens)."""
 
 
