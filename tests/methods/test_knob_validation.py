@@ -5,8 +5,6 @@ and what it accepts, never a hang or another exception."""
 from __future__ import annotations
 
 import math
-import signal
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -14,6 +12,7 @@ import torch
 
 import reasonkv
 from conftest import tiny_model
+from method_helpers import time_limit
 from reasonkv.core.policy.allocators.reasonalloc import layer_budgets
 from reasonkv.core.policy.base import pool_tokens
 from reasonkv.core.policy.knob import Bounds, knob
@@ -21,22 +20,6 @@ from reasonkv.core.policy.schedules import MaxMinThreshold
 from reasonkv.methods.api import _min_budget
 from reasonkv.methods.knobs import KnobError, check_budget, check_knobs, knob_rule
 from reasonkv.methods.registry import METHODS
-
-
-@contextmanager
-def time_limit(seconds: float):
-    """Fail instead of hanging: SIGALRM raises in the main thread after `seconds`."""
-
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 # ------------------------------------------------------------- the found bugs
