@@ -4,7 +4,9 @@ it), a greedy generate that keeps the scores, and two left-padded prompts."""
 
 from __future__ import annotations
 
+import signal
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -85,3 +87,19 @@ def kept_tokens(layer, row: int, shift: int = 0) -> list[list[int]]:
     (a row's left padding: the same tokens alone have indices smaller by it)."""
     index = layer.token_index
     return [[int(i) - shift for i in index[row, h] if i != EMPTY] for h in range(index.shape[1])]
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Fail instead of hanging: SIGALRM raises in the main thread after `seconds`."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

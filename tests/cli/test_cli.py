@@ -115,9 +115,11 @@ def test_knobs_are_checked_against_the_defaults_types():
         check_knobs(snapkv, {"pooling": "median"})
     with pytest.raises(KnobError, match=r"unknown parameter\(s\) nope"):
         check_knobs(snapkv, {"nope": 1})
+    ratio = check_knobs(METHODS["h2o"], {"recent_ratio": 1})["recent_ratio"]
+    assert ratio == 1.0 and isinstance(ratio, float)
     threshold = MethodSpec("t", "", "", StreamingScorer, MaxMinThreshold)
-    fraction = check_knobs(threshold, {"fraction": 1})["fraction"]
-    assert fraction == 1.0 and isinstance(fraction, float)
+    with pytest.raises(KnobError, match=r"parameter 'fraction' of 't' must be in \(0, 1\), got 1.0"):
+        check_knobs(threshold, {"fraction": 1})
 
 
 # ----------------------------------------------------------------- errors

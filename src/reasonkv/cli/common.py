@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from reasonkv.harness.replay import ReplayRun
 from reasonkv.methods.api import make_cache
-from reasonkv.methods.knobs import knobs_for_methods
+from reasonkv.methods.knobs import check_budget, knobs_for_methods
 from reasonkv.methods.registry import get_method
 from reasonkv.util.progress import LineProgress, progress_for
 from reasonkv.util.runtime import quiet_loading
@@ -125,13 +125,16 @@ def parse_sets(items: list[str] | None) -> dict[str, object]:
 
 def build_runs(methods: list[str], budgets: list[int], knobs: dict[str, object]) -> list[ReplayRun]:
     """Every (method, budget), `full` once. A --set knob goes to every method that has it; a
-    knob that none of the methods knows is an error (a typo would otherwise be ignored)."""
+    knob that none of the methods knows is an error (a typo would otherwise be ignored), and so
+    is a budget below a method's protected window."""
     own_knobs = knobs_for_methods(methods, knobs)
     runs = []
     for name, own in own_knobs.items():
         if not get_method(name).compresses:
             runs.append(ReplayRun(name, None, own))
             continue
+        for b in budgets:
+            check_budget(get_method(name), b, own)
         runs += [ReplayRun(name, b, own) for b in budgets]
     return runs
 

@@ -31,7 +31,7 @@ from reasonkv.core.models import DEFAULT_MODEL, load_model
 from reasonkv.harness.accuracy import evaluate
 from reasonkv.harness.datasets import DATA_DIR_ENV, KNOWN, load_problems_from
 from reasonkv.methods.api import make_cache
-from reasonkv.methods.knobs import check_knobs
+from reasonkv.methods.knobs import check_budget, check_knobs
 from reasonkv.methods.registry import get_method
 from reasonkv.util.formatting import format_bytes
 from reasonkv.util.runtime import set_threads
@@ -113,8 +113,7 @@ def eval_command(
     try:
         spec = get_method(method)
         knobs = check_knobs(spec, parse_sets(sets))
-        if spec.compresses and budget <= 0:
-            raise CliError(f"budget must be a positive number of tokens per KV head, got {budget}")
+        check_budget(spec, budget, knobs)
         if min(samples, max_new_tokens, batch_size) <= 0:
             raise CliError("--samples, --max-new-tokens and --batch-size must be positive")
         if not sample and samples > 1:

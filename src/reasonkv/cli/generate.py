@@ -28,11 +28,12 @@ from reasonkv.cli.common import (
     parse_sets,
 )
 from reasonkv.core.models import DEFAULT_MODEL, load_model
+from reasonkv.core.policy.knob import MAX_TOKENS
 from reasonkv.harness.demo import memory_summary, run_demo
 from reasonkv.harness.runs import run_record, save_run
 from reasonkv.methods.api import GREEDY, make_cache
 from reasonkv.methods.api import generate as generate_text
-from reasonkv.methods.knobs import check_knobs
+from reasonkv.methods.knobs import check_budget, check_knobs, knob_bounds, literal_choices
 from reasonkv.methods.registry import METHODS, PROTECTION_KNOBS, MethodSpec, get_method
 from reasonkv.util.formatting import format_bytes
 from reasonkv.util.runtime import set_threads
@@ -49,6 +50,26 @@ def describe_schedule(spec: MethodSpec) -> str:
 
 def format_knobs(spec: MethodSpec) -> str:
     return " ".join(f"{k}={v}" for k, v in spec.knobs().items())
+
+
+def _compact_rule(spec: MethodSpec, name: str) -> str:
+    """A knob's choices or range in a few characters: '{max|avg}', '[0, 1]', '>=1' ('' for a bool)."""
+    choices = literal_choices(spec, name)
+    if choices is not None:
+        return "{" + "|".join(map(str, choices)) + "}"
+    rules = []
+    for bounds in knob_bounds(spec, name):
+        if bounds.le == MAX_TOKENS:  # a token count: its upper bound is only a sanity limit
+            bounds = dataclasses.replace(bounds, le=None)
+        rule = bounds.describe().replace(" ", "")
+        rules.append("" if rule == "anyvalue" else rule[2:] if rule.startswith("in") else f"({rule})")
+    return ",".join(r for r in dict.fromkeys(rules) if r)
+
+
+def format_knob_ranges(spec: MethodSpec) -> str:
+    """Each knob's default and what it accepts, e.g. 'fraction=0.125 (0,1) window=8 (>=1)'."""
+    parts = ((f"{k}={v}", _compact_rule(spec, k)) for k, v in spec.knobs().items())
+    return " ".join(f"{knob} {rule}" if rule else knob for knob, rule in parts)
 
 
 def methods_markdown() -> str:
@@ -74,13 +95,13 @@ def methods_command(
     table.add_column("name", style="bold cyan", no_wrap=True, min_width=longest)
     table.add_column("description" + (" / paper" if narrow else ""), ratio=3)
     table.add_column("schedule", min_width=12, max_width=14 if narrow else 22)
-    table.add_column("default knobs (--set key=value)", ratio=2, overflow="fold")
+    table.add_column("default knobs (--set key=value) and ranges", ratio=2, overflow="fold")
     if not narrow:
         table.add_column("paper", ratio=2)
     for name, spec in METHODS.items():
         # Registry text is plain: escape it so a "[...]" in a description is not read as markup.
         desc, paper = escape(spec.description), escape(spec.paper)
-        row = [escape(name), desc, escape(describe_schedule(spec)), escape(format_knobs(spec))]
+        row = [escape(name), desc, escape(describe_schedule(spec)), escape(format_knob_ranges(spec))]
         if narrow:
             row[1] = desc if spec.paper == "-" else f"{desc}\n[dim]{paper}[/dim]"
         else:
@@ -121,8 +142,7 @@ def generate_command(
             if not profile.exists():
                 raise CliError(f"no profile at {profile}")
             knobs["profile"] = str(profile)
-        if spec.compresses and budget <= 0:
-            raise CliError(f"budget must be a positive number of tokens per KV head, got {budget}")
+        check_budget(spec, budget, knobs)
         check_attn(attn)
         if max_new_tokens <= 0:
             raise CliError(f"--max-new-tokens must be positive, got {max_new_tokens}")

@@ -9,7 +9,8 @@ import torch
 from reasonkv.core import attention
 from reasonkv.core.cache import CompressedCache, LayerPolicy
 from reasonkv.core.models import attention_modules, model_shape
-from reasonkv.methods.knobs import route_knobs
+from reasonkv.core.policy.knob import MAX_TOKENS
+from reasonkv.methods.knobs import KnobError, build_parts, check_budget, check_knobs, check_protected_window
 from reasonkv.methods.profiles import find_profile, load_profile
 from reasonkv.methods.registry import get_method
 
@@ -49,11 +50,21 @@ def _demand_loader(model):
 
 def _min_budget(schedule, protected: int) -> int:
     """The smallest per-head budget whose post-compression size still holds the protected
-    window (allocators that move budget between layers must not go below it)."""
-    budget = max(protected, 1)
-    while schedule.target(budget) < protected:
-        budget += 1
-    return budget
+    window (allocators that move budget between layers must not go below it). A bounded
+    search (targets do not shrink as budgets grow: doubling, then halving the gap), so a
+    schedule that never keeps enough is an error, not a hang."""
+    low = high = max(protected, 1)
+    while schedule.target(high) < protected:
+        if high >= MAX_TOKENS:
+            raise KnobError(
+                f"no budget up to 10^9 tokens keeps the protected window of {protected} tokens "
+                f"after compressing with {schedule.describe()}"
+            )
+        low, high = high + 1, min(2 * high, MAX_TOKENS)
+    while low < high:  # target(high) >= protected; the answer is in [low, high]
+        mid = (low + high) // 2
+        low, high = (low, mid) if schedule.target(mid) >= protected else (mid + 1, high)
+    return high
 
 
 def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overrides) -> CompressedCache:
@@ -64,37 +75,26 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
     the method (see `reasonkv methods`) are set by keyword, e.g. `window=16`.
     """
     spec = get_method(method)
+    knobs = check_knobs(spec, overrides)
+    budget = check_budget(spec, budget, knobs)
     shape = model_shape(model)
-    parts = route_knobs(spec, overrides)
-    protection = parts["protection"]
-    scorer = spec.scorer(**parts["scorer"])
-    schedule = spec.schedule(**parts["schedule"]) if isinstance(spec.schedule, type) else spec.schedule
+    parts = build_parts(spec, knobs)
+    protected = parts.protected
+    stats = {"min_budget": _min_budget(parts.schedule, protected), "load_demand": _demand_loader(model)}
+    budgets = parts.allocator.allocate(shape.n_layers, shape.n_kv_heads, budget, stats).long()
     if spec.compresses:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-            raise ValueError(f"budget must be a positive number of tokens per KV head, got {budget!r}")
-    budget = budget if spec.compresses else 1
-    allocator = spec.allocator(**parts["allocator"])
-    head_allocator = spec.head_allocator(**parts["head_allocator"]) if spec.head_allocator else None
-    protected = protection["n_sink"] + protection["n_recent"]
-    stats = {"min_budget": _min_budget(schedule, protected), "load_demand": _demand_loader(model)}
-    budgets = allocator.allocate(shape.n_layers, shape.n_kv_heads, budget, stats).long()
-    if spec.compresses:
-        smallest = min(schedule.target(int(b)) for b in budgets.flatten().tolist())
-        if smallest < protected:
-            raise ValueError(
-                f"budget {budget} is below the protected window: method {method!r} keeps at least "
-                f"n_sink + n_recent = {protected} tokens per head (after compressing it keeps {smallest})"
-            )
+        smallest = min(parts.schedule.target(int(b)) for b in budgets.flatten().tolist())
+        check_protected_window(spec, budget, smallest, protected)
     install_attention(model)
     modules = attention_modules(model)
     rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
     policy = LayerPolicy(
-        scorer=scorer,
-        schedule=schedule,
-        head_allocator=head_allocator,
+        scorer=parts.scorer,
+        schedule=parts.schedule,
+        head_allocator=parts.head_allocator,
         rope_inv_freq=getattr(rotary, "inv_freq", None),
         rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
-        **protection,
+        **parts.protection,
     )
     return CompressedCache(
         budgets, policy, method=method, attention_modules=modules, scaling=float(modules[0].scaling)

@@ -4,13 +4,18 @@ each. The one place that checks them, for the API, the CLI and sweeps alike."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import typing
+from dataclasses import dataclass
 
-from reasonkv.methods.registry import PROTECTION_KNOBS, MethodSpec, get_method
+from reasonkv.core.policy.knob import MAX_TOKENS, Bounds, declared_bounds
+from reasonkv.core.policy.schedules import Schedule
+from reasonkv.methods.registry import PROTECTION_BOUNDS, PROTECTION_KNOBS, MethodSpec, get_method
 
 
 class KnobError(ValueError):
-    """An unknown knob, or a value of the wrong type or outside its choices."""
+    """An unknown knob, a value of the wrong type, outside its choices or range, knobs that do
+    not fit together, or a bad budget."""
 
 
 def check_known(names, valid, owner: str) -> None:
@@ -24,53 +29,174 @@ def check_known(names, valid, owner: str) -> None:
 
 def _knob_classes(spec: MethodSpec) -> list[type]:
     parts = (spec.scorer, spec.schedule, spec.allocator, spec.head_allocator)
-    return [c for c in parts if isinstance(c, type)]
+    return [c for c in parts if isinstance(c, type) and dataclasses.is_dataclass(c)]
+
+
+def _declaring(spec: MethodSpec, name: str) -> list[type]:
+    return [c for c in _knob_classes(spec) if name in {f.name for f in dataclasses.fields(c) if f.init}]
+
+
+def _hint(cls: type, name: str):
+    try:
+        return typing.get_type_hints(cls).get(name)
+    except Exception:  # an unresolvable annotation only costs us the check
+        return None
 
 
 def literal_choices(spec: MethodSpec, name: str) -> tuple | None:
     """The allowed values of a knob annotated with typing.Literal, or None."""
-    for cls in _knob_classes(spec):
-        if not dataclasses.is_dataclass(cls) or name not in {f.name for f in dataclasses.fields(cls)}:
-            continue
-        try:
-            hint = typing.get_type_hints(cls).get(name)
-        except Exception:  # an unresolvable annotation only costs us the check
-            return None
+    for cls in _declaring(spec, name):
+        hint = _hint(cls, name)
         if typing.get_origin(hint) is typing.Literal:
             return typing.get_args(hint)
     return None
 
 
-def check_knobs(spec: MethodSpec, knobs: dict[str, object]) -> dict[str, object]:
-    """Validate names and types against the method's defaults before the (slow) model load.
+def knob_bounds(spec: MethodSpec, name: str) -> list[Bounds]:
+    """Every range declared for the knob (a knob two parts share must suit both)."""
+    found = [declared_bounds(cls, name) for cls in _declaring(spec, name)]
+    found.append(PROTECTION_BOUNDS.get(name))
+    return [b for b in found if b is not None]
 
-    Types follow the default: an int knob takes an int, a float knob an int or float, a bool
-    knob true/false; Literal-annotated knobs take one of their choices.
+
+def knob_rule(spec: MethodSpec, name: str) -> str | None:
+    """What the knob accepts, in words ('in (0, 1)', 'one of max, avg', 'true or false'), or
+    None when nothing is declared for it."""
+    choices = literal_choices(spec, name)
+    if choices is not None:
+        return "one of " + ", ".join(map(str, choices))
+    if isinstance(spec.knobs().get(name), bool):
+        return "true or false"
+    bounds = knob_bounds(spec, name)
+    return " and ".join(dict.fromkeys(b.describe() for b in bounds)) or None
+
+
+def _expected_type(spec: MethodSpec, name: str, default: object) -> type | None:
+    """The type a knob's value must have: its default's, or for a None default (an optional
+    knob) the annotation's other type."""
+    if default is not None:
+        return type(default)
+    for cls in _declaring(spec, name):
+        args = [a for a in typing.get_args(_hint(cls, name)) if a is not type(None)]
+        if len(args) == 1 and args[0] in (bool, int, float, str):
+            return args[0]
+    return None
+
+
+def _check_type(spec: MethodSpec, name: str, value: object, default: object) -> object:
+    kind = _expected_type(spec, name, default)
+    if value is None and default is None:
+        return value
+    if kind is bool:
+        ok, expected = isinstance(value, bool), "true or false"
+    elif kind is int:
+        ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif kind is float:
+        ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        value = float(value) if ok else value
+    elif kind is str:
+        ok, expected = isinstance(value, str), "a string"
+    else:  # an object default: nothing to compare against
+        ok, expected = True, ""
+    if not ok:
+        raise KnobError(f"parameter {name!r} of {spec.name!r} expects {expected}, got {value!r}")
+    return value
+
+
+def check_knobs(spec: MethodSpec, knobs: dict[str, object]) -> dict[str, object]:
+    """Validate names, types, choices and ranges against the method before the (slow) model load.
+
+    Types follow the default (for a None default, the annotation): an int knob takes an int, a
+    float knob an int or float, a bool knob true/false; Literal-annotated knobs take one of
+    their choices; a knob declared with `reasonkv.core.policy.knob.knob` must be in its range.
+    Rules between knobs (beacon_min < beacon_max) are the parts' own checks when built.
     """
     defaults = spec.knobs()
     check_known(knobs, defaults, f"method {spec.name!r}")
     out: dict[str, object] = {}
     for name, value in knobs.items():
-        default = defaults[name]
-        if isinstance(default, bool):
-            ok, expected = isinstance(value, bool), "true or false"
-        elif isinstance(default, int):
-            ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
-        elif isinstance(default, float):
-            ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-            value = float(value) if ok else value
-        elif isinstance(default, str):
-            ok, expected = isinstance(value, str), "a string"
-        else:  # None or an object default: nothing to compare against
-            ok, expected = True, ""
-        if not ok:
-            raise KnobError(f"parameter {name!r} of {spec.name!r} expects {expected}, got {value!r}")
+        value = _check_type(spec, name, value, defaults[name])
         choices = literal_choices(spec, name)
         if choices is not None and value not in choices:
             allowed = ", ".join(map(str, choices))
             raise KnobError(f"parameter {name!r} of {spec.name!r} expects one of {allowed}, got {value!r}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            for bounds in knob_bounds(spec, name):
+                if not bounds.admits(value):
+                    raise KnobError(
+                        f"parameter {name!r} of {spec.name!r} must be {bounds.describe()}, got {value!r}"
+                    )
         out[name] = value
+    build_parts(spec, out)
     return out
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A method's policy objects built from its knobs, and its protection knobs."""
+
+    scorer: object
+    schedule: Schedule
+    allocator: object
+    head_allocator: object | None
+    protection: dict[str, object]
+
+    @property
+    def protected(self) -> int:
+        return int(self.protection["n_sink"]) + int(self.protection["n_recent"])
+
+
+def build_parts(spec: MethodSpec, overrides: dict) -> Parts:
+    """The method's scorer, schedule and allocators with these knobs over the defaults. A part
+    that refuses its knobs together (its own ValueError) is a KnobError naming the method."""
+    routed = route_knobs(spec, overrides)
+    try:
+        schedule = spec.schedule
+        return Parts(
+            scorer=spec.scorer(**routed["scorer"]),
+            schedule=schedule(**routed["schedule"]) if isinstance(schedule, type) else schedule,
+            allocator=spec.allocator(**routed["allocator"]),
+            head_allocator=spec.head_allocator(**routed["head_allocator"]) if spec.head_allocator else None,
+            protection=routed["protection"],
+        )
+    except KnobError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise KnobError(f"parameters of {spec.name!r} do not fit together: {err}") from None
+
+
+def check_budget(spec: MethodSpec, budget: object, knobs: dict | None = None) -> int:
+    """The budget as an int (1 for a method that never compresses, which ignores it); with the
+    method's checked knobs, also that compressing keeps the protected window.
+
+    A budget is a whole number of tokens per KV head in [1, MAX_TOKENS]. Every allocator keeps
+    the mean budget, so some layer gets at most `budget`: if the schedule's target for it is
+    below n_sink + n_recent, no allocation can work, and the model need not be loaded to say so.
+    """
+    if not spec.compresses:
+        return 1
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or not 1 <= budget <= MAX_TOKENS:
+        raise KnobError(
+            f"budget must be a positive number of tokens per KV head (at most 10^9), got {budget!r}"
+        )
+    budget = int(budget)
+    if knobs is not None:
+        parts = build_parts(spec, knobs)
+        try:
+            kept = parts.schedule.target(budget)
+        except ValueError as err:  # a schedule that cannot work with this budget says why
+            raise KnobError(f"budget {budget} does not work for {spec.name!r}: {err}") from None
+        check_protected_window(spec, budget, kept, parts.protected)
+    return budget
+
+
+def check_protected_window(spec: MethodSpec, budget: int, kept: int, protected: int) -> None:
+    """Refuse a budget whose post-compression size `kept` is below the protected window."""
+    if kept < protected:
+        raise KnobError(
+            f"budget {budget} is below the protected window: method {spec.name!r} keeps at least "
+            f"n_sink + n_recent = {protected} tokens per head (after compressing it keeps {kept})"
+        )
 
 
 def knobs_for_methods(

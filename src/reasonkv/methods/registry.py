@@ -20,6 +20,7 @@ from reasonkv.core.policy import (
 )
 from reasonkv.core.policy.allocators import AdaKVHeadAllocator, PyramidAllocator, UniformAllocator
 from reasonkv.core.policy.allocators.reasonalloc import EntropyHeadSplit, ReasonAllocAllocator
+from reasonkv.core.policy.knob import MAX_TOKENS, Bounds
 from reasonkv.core.policy.schedules import (
     NEVER,
     EveryStep,
@@ -34,6 +35,8 @@ PROTECTION_KNOBS = {
     "n_recent": "newest tokens always kept",
     "protect_prompt": "keep the whole prompt",
 }
+PROTECTION_BOUNDS = {"n_sink": Bounds(ge=0, le=MAX_TOKENS), "n_recent": Bounds(ge=0, le=MAX_TOKENS)}
+"""The protection knobs' ranges (protect_prompt is true or false)."""
 
 
 @dataclass(frozen=True)

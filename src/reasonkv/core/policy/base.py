@@ -116,8 +116,15 @@ def reduce_queries(probs: torch.Tensor, obs: Observation, how: Literal["mean", "
     return total / n[:, None, None]
 
 
+MAX_KERNEL = 1024
+"""The widest pooling kernel a scorer accepts (pooling costs kernel x tokens per head)."""
+
+
 def pool_tokens(scores: torch.Tensor, kernel: int, how: Literal["max", "avg", "none"]) -> torch.Tensor:
-    """Smooth [B, H, T] scores along tokens (stride 1, same length), as SnapKV/R-KV/RPC do."""
+    """Smooth [B, H, T] scores along tokens (stride 1, same length), as SnapKV/R-KV/RPC do.
+
+    Any kernel >= 1 works (1 = no pooling). An odd kernel is centred on each token; an even
+    one covers kernel/2 tokens before it and kernel/2 - 1 after it."""
     if how == "none" or kernel <= 1:
         return scores
     b, h, t = scores.shape

@@ -16,6 +16,10 @@ import torch
 
 from reasonkv.core.policy.base import EMPTY
 from reasonkv.core.policy.contract import BudgetPlan, LayerView, PolicyState
+from reasonkv.core.policy.knob import knob, tokens, unit
+
+MAX_RATIO = 10**6
+"""The largest compression ratio c of RPC's schedule (it keeps P/c of every P tokens)."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ class EveryStep(Schedule):
     `budget` tokens either way."""
 
     name: str = "every-step"
-    compact_every: int = 16
+    compact_every: int = tokens(16)
     evicts_every_step: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
@@ -126,7 +130,7 @@ class FixedBuffer(Schedule):
     (R-KV, decode-time SnapKV: compress to B every 128 steps)."""
 
     name: str = "buffer"
-    interval: int = 128
+    interval: int = tokens(128)
 
     def trigger(self, budget: int) -> int:
         return budget + self.interval
@@ -140,7 +144,7 @@ class MaxMinThreshold(Schedule):
     """The budget is B_max; on reaching it, evict `fraction`·B_max tokens at once (BeaconKV)."""
 
     name: str = "threshold"
-    fraction: float = 1 / 8
+    fraction: float = unit(1 / 8, open_low=True, open_high=True)
 
     def trigger(self, budget: int) -> int:
         return budget
@@ -186,8 +190,8 @@ class PeriodicRatio(Schedule):
     """
 
     name: str = "periodic"
-    interval: int | None = None
-    ratio: float = 4.0
+    interval: int | None = tokens(None)
+    ratio: float = knob(4.0, ge=1.0, le=MAX_RATIO)
 
     def period(self, budget: int) -> tuple[int, int]:
         """(P, P/c) for a head budget."""

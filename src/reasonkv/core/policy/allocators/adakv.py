@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.core.policy.contract import HeadAllocator, PolicyState, SplitRequest
+from reasonkv.core.policy.knob import tokens, unit
 from reasonkv.core.policy.rounding import fill_to_caps, largest_remainder
 from reasonkv.core.policy.selection import protected_mask
 
@@ -46,9 +47,9 @@ class AdaKVHeadAllocator(HeadAllocator):
     same values the cache uses), so the allocator knows what each head keeps regardless.
     """
 
-    floor_alpha: float = 0.2
-    n_sink: int = 0
-    n_recent: int = 8
+    floor_alpha: float = unit(0.2)
+    n_sink: int = tokens(0, minimum=0)
+    n_recent: int = tokens(8, minimum=0)
     protect_prompt: bool = False
 
     def __post_init__(self) -> None:

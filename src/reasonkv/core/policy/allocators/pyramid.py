@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.core.policy.contract import Allocator
+from reasonkv.core.policy.knob import knob, tokens
 from reasonkv.core.policy.rounding import largest_remainder
 
 
@@ -38,8 +39,8 @@ class PyramidAllocator(Allocator):
     window on purpose: in PyramidKV/SnapKV they are one number.
     """
 
-    beta: float = 20.0
-    window: int = 8
+    beta: float = knob(20.0, ge=1.0)
+    window: int = tokens(8, minimum=0)
 
     def __post_init__(self) -> None:
         if self.beta < 1:

@@ -25,6 +25,7 @@ from reasonkv.core.policy.contract import (
     QueryWindowView,
     SplitRequest,
 )
+from reasonkv.core.policy.knob import knob, tokens, unit
 from reasonkv.core.policy.rounding import fill_to_caps, largest_remainder, water_fill
 
 
@@ -39,7 +40,10 @@ def layer_budgets(
     if math.isinf(tau) or bool((demand == demand[0]).all()):
         weights = torch.ones(n_layers, dtype=torch.float64)
     else:
-        weights = demand.double().clamp(min=1e-12) ** (1.0 / tau)
+        # Relative to the largest demand, so a small tau underflows the weights of the
+        # other layers to 0 instead of overflowing the largest to inf.
+        demand = demand.double().clamp(min=1e-12)
+        weights = (demand / demand.max()) ** (1.0 / tau)
     per_layer = water_fill(weights, n_layers * budget, lo, hi)
     return per_layer[:, None].expand(n_layers, n_kv_heads).clone()
 
@@ -136,8 +140,8 @@ class ReasonAllocAllocator(Allocator):
     head-only ablation).
     """
 
-    profile: str | None = None
-    tau: float = 1.0
+    profile: str | None = knob(None)
+    tau: float = knob(1.0, gt=0.0)
     layer_level: bool = True
 
     def allocate(
@@ -181,12 +185,12 @@ class EntropyHeadSplit(HeadAllocator):
     fewer than the protected window (the starvation guard).
     """
 
-    floor_ratio: float = 0.25
-    ema: float = 0.5
+    floor_ratio: float = unit(0.25)
+    ema: float = unit(0.5)
     prefer: Literal["focused", "diffuse"] = "focused"
     utility: Literal["step", "compression"] = "step"
-    step_ema: float = 0.95
-    entropy_every: int = 32
+    step_ema: float = unit(0.95, open_high=True)
+    entropy_every: int = tokens(32)
     """Decode queries wait in the layer's query window and enter the running entropy this many
     at a time, in one pass (or before any compression, so no key they saw is gone yet). Keys
     added after a query are causally masked, so the result is that of every single step."""

@@ -33,8 +33,16 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from reasonkv.core.policy.base import Observation, candidate_mask, grouped_logits, masked_softmax, pool_tokens
+from reasonkv.core.policy.base import (
+    MAX_KERNEL,
+    Observation,
+    candidate_mask,
+    grouped_logits,
+    masked_softmax,
+    pool_tokens,
+)
 from reasonkv.core.policy.contract import LayerView, PolicyState, QueryWindowView, Scorer
+from reasonkv.core.policy.knob import knob, tokens
 from reasonkv.core.policy.rope import apply_rope, unapply_rope
 
 DUPLICATE_EPS = 1e-5
@@ -138,13 +146,13 @@ class BeaconState(PolicyState):
 
 @dataclass
 class BeaconKVScorer(Scorer):
-    beacon_max: int = 32
-    beacon_min: int = 16
-    recent: int = 16
+    beacon_max: int = tokens(32, minimum=2)
+    beacon_min: int = tokens(16)
+    recent: int = tokens(16)
     aggregation: Literal["max", "mean"] = "max"
     pooling: Literal["max", "avg", "none"] = "none"
-    kernel: int = 7
-    upkeep_every: int = 32
+    kernel: int = knob(7, ge=1, le=MAX_KERNEL)
+    upkeep_every: int = tokens(32)
     """Queries leaving the recent window wait in a queue and enter the buffers this many at a
     time (all layers in one pass), or when scoring needs the buffers. Continual FPS fed in
     chunks equals FPS fed one point at a time (`add_points`), so the beacons do not depend on

@@ -14,6 +14,7 @@ import torch
 
 from reasonkv.core.policy.base import Observation, window_attention
 from reasonkv.core.policy.contract import Scorer
+from reasonkv.core.policy.knob import unit
 
 QUERY_CHUNK = 256
 """Prompt queries per block at prefill, so the fp32 probabilities stay O(chunk × cache)."""
@@ -26,7 +27,7 @@ class H2OScorer(Scorer):
     newest ⌊recent_ratio · target⌋ real tokens of each head score +inf: H2O's recent half.
     `score` reads only that state, so the query window is the minimum (1)."""
 
-    recent_ratio: float = 0.5
+    recent_ratio: float = unit(0.5)
     window: int = field(default=1, init=False, repr=False)
     state_names: ClassVar[tuple[str, ...]] = ("h2o_acc",)
 

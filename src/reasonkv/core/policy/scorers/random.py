@@ -16,6 +16,7 @@ import torch
 
 from reasonkv.core.policy.base import Observation
 from reasonkv.core.policy.contract import Scorer
+from reasonkv.core.policy.knob import knob
 
 MODULUS = 2**31
 
@@ -31,7 +32,7 @@ def mix(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class RandomScorer(Scorer):
-    seed: int = 0
+    seed: int = knob(0, ge=0)
 
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         index = obs.token_index  # [B, H, T]

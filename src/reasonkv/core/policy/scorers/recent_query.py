@@ -14,11 +14,12 @@ import torch
 
 from reasonkv.core.policy.base import Observation, reduce_queries, window_attention
 from reasonkv.core.policy.contract import Scorer
+from reasonkv.core.policy.knob import tokens
 
 
 @dataclass
 class RecentQueryScorer(Scorer):
-    window: int = 32
+    window: int = tokens(32)
     aggregation: Literal["max", "mean"] = "max"
 
     def __post_init__(self) -> None:

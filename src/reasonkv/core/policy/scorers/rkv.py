@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 
 from reasonkv.core.policy.base import (
+    MAX_KERNEL,
     Observation,
     masked_softmax,
     pool_tokens,
@@ -22,6 +23,7 @@ from reasonkv.core.policy.base import (
     window_attention,
 )
 from reasonkv.core.policy.contract import Scorer
+from reasonkv.core.policy.knob import knob, tokens, unit
 
 _CPU_SIM_ELEMENTS = 1 << 19
 """Similarity entries per pass on a CPU (2 MB of float32: cache-sized)."""
@@ -39,11 +41,11 @@ class RKVScorer(Scorer):
     nothing (the reference's argmax falls back to index 0 and zeroes S_i0 by accident).
     """
 
-    window: int = 8
-    kernel: int = 7
+    window: int = tokens(8)
+    kernel: int = knob(7, ge=1, le=MAX_KERNEL)
     pooling: Literal["max", "avg", "none"] = "max"
-    mix_lambda: float = 0.1
-    sim_threshold: float = 0.5
+    mix_lambda: float = unit(0.1)
+    sim_threshold: float = knob(0.5, ge=-1.0, le=1.0)
 
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         probs = window_attention(obs, keys, exclude_last=self.window, gqa="max_logit")

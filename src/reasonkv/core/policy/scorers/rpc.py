@@ -12,8 +12,16 @@ from typing import Literal
 
 import torch
 
-from reasonkv.core.policy.base import Observation, candidate_mask, grouped_logits, masked_softmax, pool_tokens
+from reasonkv.core.policy.base import (
+    MAX_KERNEL,
+    Observation,
+    candidate_mask,
+    grouped_logits,
+    masked_softmax,
+    pool_tokens,
+)
 from reasonkv.core.policy.contract import Scorer
+from reasonkv.core.policy.knob import knob, tokens
 
 
 @dataclass
@@ -28,8 +36,8 @@ class RPCScorer(Scorer):
     generation starts).
     """
 
-    window: int = 32
-    kernel: int = 7
+    window: int = tokens(32)
+    kernel: int = knob(7, ge=1, le=MAX_KERNEL)
     pooling: Literal["avg", "max", "none"] = "avg"
     aggregation: Literal["all", "group"] = "all"
 

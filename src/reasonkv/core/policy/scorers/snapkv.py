@@ -11,14 +11,22 @@ from typing import Literal
 
 import torch
 
-from reasonkv.core.policy.base import GqaReduce, Observation, pool_tokens, reduce_queries, window_attention
+from reasonkv.core.policy.base import (
+    MAX_KERNEL,
+    GqaReduce,
+    Observation,
+    pool_tokens,
+    reduce_queries,
+    window_attention,
+)
 from reasonkv.core.policy.contract import Scorer
+from reasonkv.core.policy.knob import knob, tokens
 
 
 @dataclass
 class SnapKVScorer(Scorer):
-    window: int = 8
-    kernel: int = 7
+    window: int = tokens(8)
+    kernel: int = knob(7, ge=1, le=MAX_KERNEL)
     pooling: Literal["max", "avg", "none"] = "max"
     gqa: GqaReduce = "max_logit"
 

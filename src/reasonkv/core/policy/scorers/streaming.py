@@ -12,11 +12,12 @@ import torch
 
 from reasonkv.core.policy.base import Observation
 from reasonkv.core.policy.contract import Scorer
+from reasonkv.core.policy.knob import tokens
 
 
 @dataclass
 class StreamingScorer(Scorer):
-    window: int = 0
+    window: int = tokens(0, minimum=0)
 
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         # Newer tokens score higher, so the top-k of the unprotected middle is the newest part.

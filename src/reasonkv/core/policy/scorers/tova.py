@@ -12,11 +12,12 @@ import torch
 
 from reasonkv.core.policy.base import Observation, window_attention
 from reasonkv.core.policy.contract import Scorer
+from reasonkv.core.policy.knob import tokens
 
 
 @dataclass
 class TOVAScorer(Scorer):
-    window: int = 1
+    window: int = tokens(1)
 
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         probs = window_attention(obs, keys, gqa="mean")  # [B, H, W, T]

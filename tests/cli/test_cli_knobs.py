@@ -1,0 +1,76 @@
+"""Bad knobs and budgets on the command line: exit 2 with one line and no traceback, before the
+model loads (the same check as make_cache's), and never a hang."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli_helpers import WIDE, errors_of, runner
+from method_helpers import time_limit
+from reasonkv.cli import common
+from reasonkv.cli import main as cli
+from reasonkv.methods.knobs import KnobError
+
+
+def one_clean_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    err = errors_of(result)
+    assert "Traceback" not in result.output and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--method", "beaconkv", "--budget", "32", "--set", "fraction=1.0"],
+            "parameter 'fraction' of 'beaconkv' must be in (0, 1), got 1.0",
+        ),
+        (["--method", "reasonalloc-beaconkv", "--set", "fraction=1"], "must be in (0, 1), got 1.0"),
+        (["--method", "reasonalloc-rkv", "--set", "tau=0"], "'tau' of 'reasonalloc-rkv' must be > 0"),
+        (["--set", "interval=0"], "parameter 'interval' of 'snapkv' must be in [1, 10^9], got 0"),
+        (["--set", "kernel=0"], "parameter 'kernel' of 'snapkv' must be in [1, 1024], got 0"),
+        (["--set", "n_recent=-1"], "parameter 'n_recent' of 'snapkv' must be in [0, 10^9], got -1"),
+        (["--method", "h2o", "--set", "recent_ratio=1.5"], "'recent_ratio' of 'h2o' must be in [0, 1]"),
+        (["--method", "beaconkv", "--set", "beacon_min=40"], "do not fit together"),
+        (["--method", "rpc", "--set", "interval=abc"], "'interval' of 'rpc' expects an integer, got 'abc'"),
+        (["--budget", "4"], "budget 4 is below the protected window"),
+        (["--method", "beaconkv", "--budget", "20"], "budget 20 is below the protected window"),
+        (["--budget", "1" + "0" * 30], "budget must be a positive number of tokens per KV head"),
+        (["--budget", "-3"], "budget must be a positive number of tokens per KV head"),
+    ],
+)
+def test_bad_knobs_and_budgets_exit_2_before_loading(no_loading, args, message) -> None:
+    with time_limit(30):
+        result = runner.invoke(cli.app, ["generate", *args, "hi"], env=WIDE)
+    assert message in one_clean_line(result)
+
+
+def test_a_budget_that_is_not_an_integer_is_a_usage_error() -> None:
+    result = runner.invoke(cli.app, ["generate", "--budget", "1e30", "hi"], env=WIDE)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+def test_runs_for_replay_and_bench_refuse_a_budget_below_the_window_before_loading() -> None:
+    with pytest.raises(KnobError, match="budget 4 is below the protected window: method 'snapkv'"):
+        common.build_runs(["full", "snapkv"], [64, 4], {})
+    with pytest.raises(KnobError, match="budget must be a positive number"):
+        common.build_runs(["snapkv"], [10**30], {})
+    runs = common.build_runs(["full", "streaming"], [5], {})  # streaming protects 4 + 1
+    assert [(r.method, r.budget) for r in runs] == [("full", None), ("streaming", 5)]
+
+
+def test_replay_with_a_bad_knob_exits_2_in_one_line(tmp_path) -> None:
+    traces = tmp_path / "t.jsonl"
+    traces.write_text("")
+    result = runner.invoke(
+        cli.app, ["replay", "--traces", str(traces), "--methods", "beaconkv", "--set", "fraction=2"], env=WIDE
+    )
+    assert "parameter 'fraction' of 'beaconkv' must be in (0, 1), got 2.0" in one_clean_line(result)
+
+
+def test_methods_lists_each_knob_with_its_range() -> None:
+    result = runner.invoke(cli.app, ["methods"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    for text in ("fraction=0.125 (0,1)", "kernel=7 [1,1024]", "tau=1.0 (>0)", "pooling=max {max|avg|none}"):
+        assert text in result.output
