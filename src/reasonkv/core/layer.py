@@ -30,7 +30,9 @@ from reasonkv.core.storage import KVStorage
 from reasonkv.core.timing import NO_TIMER, StepTimer
 
 GROWTH_CHUNK = 256
-"""Slack added when storage must grow outside the schedule (prefill, the full cache)."""
+"""Storage grows in chunks of this many slots, up to what the schedule needs (its trigger plus
+hole slots, or the kept tokens plus slack after a compaction), so a layer never holds more than
+the tokens it has seen plus one chunk: a budget far above the sequence costs nothing."""
 
 
 @dataclass
@@ -134,6 +136,8 @@ class CompressedLayer(CacheLayerMixin):
         self.live_upper = 0  # an upper bound of max_b sum_h n_valid, to skip the trigger check cheaply
         self.pending = False  # update() ran, after_attention() not yet
         self._new_valid: torch.Tensor | None = None
+        self.compressions: torch.Tensor | None = None  # [B] compressions each row took part in
+        self.n_compressions = 0  # compressions of this layer (any rows)
         self.is_initialized = False
 
     def reset(self) -> None:
@@ -150,6 +154,7 @@ class CompressedLayer(CacheLayerMixin):
         self.storage = KVStorage(b, h, self.device, tuple(self.policy.scorer.state_names), self.meter)
         self.budgets = self.budgets.to(self.device)
         self.targets = torch.tensor(self.plan.targets, device=self.device)
+        self.compressions = torch.zeros(b, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
     # ------------------------------------------------------------ what it holds
@@ -213,12 +218,13 @@ class CompressedLayer(CacheLayerMixin):
         storage, q = self.storage, key_states.shape[2]
         needed = storage.used + q
         trigger = self.plan.trigger_max
-        # Room up to the schedule's trigger, so decoding writes in place until it compresses.
+        # Room up to the schedule's trigger, so decoding writes in place until it compresses;
+        # reached one chunk at a time, so storage never exceeds the tokens seen by more than a chunk.
         if trigger is not None and needed <= trigger:
             capacity = trigger + self.plan.hole_slots
         else:
             capacity = needed + self._slack()
-        storage.ensure_capacity(needed, capacity, key_states, value_states)
+        storage.ensure_capacity(needed, min(capacity, needed + GROWTH_CHUNK), key_states, value_states)
         storage.append(key_states, value_states, self.seen)
         self.live_upper += q * storage.lengths.shape[1]
         self.new_start, self.seen = self.seen, self.seen + q
@@ -281,6 +287,8 @@ class CompressedLayer(CacheLayerMixin):
         keep = torch.where(rows[:, None], keep, storage.n_valid)
         with self.timer.section("compress"):
             self.compress(keep, scores)
+        self.compressions += rows
+        self.n_compressions += 1
         if self.report is not None:
             self.report(self.layer_idx, self.seen, storage.n_valid, rows)
 
@@ -342,7 +350,7 @@ class CompressedLayer(CacheLayerMixin):
             with self.timer.section("holes"):
                 storage.evict_in_place(slots, new_len)
         else:
-            capacity = slots.shape[-1] + self._slack() + hole_slots
+            capacity = slots.shape[-1] + min(self._slack() + hole_slots, GROWTH_CHUNK)
             with self.timer.section("compact"):
                 storage.compact(slots, new_len, capacity)
         self.live_upper = int(new_len.sum(-1).max())
@@ -364,6 +372,7 @@ class CompressedLayer(CacheLayerMixin):
         """Keep batch rows `rows` [B'] (beam search reorders, repeats or drops them)."""
         rows = rows.to(self.device)
         self.storage.select_rows(rows)
+        self.compressions = self.compressions.index_select(0, rows)
         self.window.select_rows(rows)
         self.states.select_rows(rows)
 
@@ -386,7 +395,7 @@ class CompressedLayer(CacheLayerMixin):
         """Every tensor the layer holds: storage, query window, and its policies' tensors."""
         if self.storage is None:
             return []
-        out = self.storage.tensors() + self.window.tensors()
+        out = self.storage.tensors() + self.window.tensors() + [self.compressions]
         for state in (self.states.scorer, self.states.schedule, self.states.head_allocator):
             if state is not None:
                 out += [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
