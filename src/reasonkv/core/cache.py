@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from reasonkv.core.layer import GROWTH_CHUNK, CompressedLayer
+from reasonkv.core.layer import GROWTH_CHUNK, CompressedLayer, another_sequence
 from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.contract import HeadAllocator, Scorer
 from reasonkv.core.policy.schedules import Schedule
@@ -163,6 +163,8 @@ class CompressedCache(Cache):
         self._module_ids = [id(m) for m in attention_modules] if attention_modules else None
         self.event_log = EventLog()
         self.timer = NO_TIMER
+        self._user_defined = False
+        self._new_call = False  # a generate() call began: check that it continues this sequence
         for layer in layers:
             layer.report = self.event_log.add
 
@@ -221,6 +223,17 @@ class CompressedCache(Cache):
         for layer in self.layers:
             layer.timer = timer
 
+    # generate() sets this on a cache it is given, once per call: the next forward is checked
+    # to continue the sequence the cache holds.
+    @property
+    def _is_user_defined(self) -> bool:
+        return self._user_defined
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        self._user_defined = value
+        self._new_call = True
+
     # transformers calls this from every attention module, passing its forward kwargs
     # (the very dict that then goes to the attention function).
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -233,6 +246,21 @@ class CompressedCache(Cache):
         forward_kwargs["reasonkv_cache"] = self
         with self._timer.section("update"):
             return self.layers[layer_idx].update(key_states, value_states)
+
+    def check_continues(self, q: int, positions: torch.Tensor | None, padded: bool) -> None:
+        """Called by layer 0's attention: this forward's tokens must continue the held sequence.
+        generate() derives positions from the whole new sequence's padding mask, so without
+        padding (`padded` False: that mask is all ones) the tokens past the cache's length start
+        at its length exactly when the sequence is the one held; with padding the mask function
+        checks the mask's length instead. Checked at each generate() call and each multi-token
+        forward (a decode step skips the device sync)."""
+        check, self._new_call = self._new_call or q > 1, False
+        start = self.layers[0].new_start
+        if not check or padded or positions is None or start == 0:
+            return
+        first = int(positions[..., 0].max())
+        if first != start:
+            raise another_sequence(start, f"the new tokens start at position {first}, not {start}")
 
     def check_module(self, module: torch.nn.Module) -> None:
         idx = module.layer_idx

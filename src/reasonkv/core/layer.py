@@ -35,6 +35,15 @@ hole slots, or the kept tokens plus slack after a compaction), so a layer never 
 the tokens it has seen plus one chunk: a budget far above the sequence costs nothing."""
 
 
+def another_sequence(held: int, detail: str) -> ValueError:
+    """The error for a cache handed a sequence other than the one it holds."""
+    return ValueError(
+        f"this cache holds {held} tokens of another sequence ({detail}); a cache serves one sequence "
+        "(a later generate() call may continue it with the whole sequence so far): make a new cache with "
+        "reasonkv.make_cache(model, ...) for a new prompt, or call cache.reset() first"
+    )
+
+
 @dataclass
 class PolicyStates:
     """The per-layer memory of each policy of a method (None where a policy keeps none)."""
@@ -202,6 +211,8 @@ class CompressedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.batch_size and key_states.shape[1] == self.budgets.numel():
+            raise another_sequence(self.seen, f"batch of {self.batch_size}, given {key_states.shape[0]} rows")
         elif key_states.shape[:2] != self.storage.lengths.shape:
             # Caught here, before the write would fail with an opaque shape error.
             raise RuntimeError(
@@ -363,6 +374,8 @@ class CompressedLayer(CacheLayerMixin):
         # reasonkv's mask function builds its mask from `token_index`, not from these sizes;
         # they describe the logical sequence so a stock mask function would stay consistent.
         q = query_length if isinstance(query_length, int) else int(query_length.shape[0])
+        if q == 0 and self.seen:  # generate() given a prompt much shorter than the sequence held
+            raise another_sequence(self.seen, "the new input has no tokens past them")
         return self.seen + q, 0
 
     def get_max_length(self) -> int:
