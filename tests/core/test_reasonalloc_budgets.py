@@ -6,6 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import reasonkv
+from conftest import greedy_loop, random_prompt, tiny_model
+from method_helpers import profile_knobs
 from reasonkv.core.policy.allocators.reasonalloc import (
     largest_remainder,
     layer_budgets,
@@ -128,3 +131,17 @@ def test_normalised_entropy_ignores_padding_slots():
         queries=obs.queries, query_index=obs.query_index, token_index=padded_index, scaling=1.0
     )
     assert torch.allclose(normalised_entropy(padded, padded_keys), normalised_entropy(obs, keys), atol=1e-6)
+
+
+def test_a_budget_above_the_run_still_compresses_the_layers_given_less() -> None:
+    """`budget` is the mean over layers: with the layers 2:1 apart, a run longer than the
+    smaller share compresses that layer and leaves the other whole (docs/reasonalloc.md)."""
+    model = tiny_model("llama", "sdpa", 2)
+    cache = reasonkv.make_cache(
+        model, "reasonalloc-rkv", 96, interval=8, **profile_knobs(model, "reasonalloc-rkv")
+    )
+    shares = cache.budgets.sum(-1).tolist()
+    assert shares[0] < 2 * 90 < shares[1]  # layer 0 gets less than the 90 tokens run, layer 1 more
+    greedy_loop(model, random_prompt(10, seed=2), cache, 80)
+    assert cache.layers[0].n_compressions > 0 and cache.layers[1].n_compressions == 0
+    assert cache.memory()["live_tokens"][1].tolist() == [90, 90]

@@ -124,10 +124,10 @@ def test_chunk_plan_ends_exactly_where_decoding_compresses(method: str) -> None:
             if pos + plan > TRACE:
                 break
             for step in range(1, plan + 1):
-                before = len(cache.events)
+                before = cache.n_compressions
                 model(input_ids=ids[:, pos : pos + 1], cache=cache)
                 pos += 1
-                fired = len(cache.events) > before
+                fired = cache.n_compressions > before
                 assert fired == (step == plan), f"plan {plan}: compression after token {step}? {fired}"
             checked += 1
     assert checked >= 3

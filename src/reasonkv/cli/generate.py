@@ -30,7 +30,7 @@ from reasonkv.cli.common import (
 from reasonkv.core.models import DEFAULT_MODEL, load_model
 from reasonkv.core.policy.knob import MAX_TOKENS
 from reasonkv.harness.demo import memory_summary, run_demo
-from reasonkv.harness.runs import run_record, save_run
+from reasonkv.harness.runs import record_all_events, run_record, save_run
 from reasonkv.methods.api import GREEDY, make_cache
 from reasonkv.methods.api import generate as generate_text
 from reasonkv.methods.knobs import check_budget, check_knobs, knob_bounds, literal_choices
@@ -150,6 +150,8 @@ def generate_command(
         with loading_status(model_name):
             model, tokenizer = load_model(model_name, attn_implementation=attn)
         cache = make_cache(model, method, budget, **knobs)
+        if record is not None:
+            record_all_events(cache)  # `reasonkv plot budgets` draws every compression
     except (CliError, ValueError, FileNotFoundError) as err:
         fail(str(err))
 

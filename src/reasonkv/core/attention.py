@@ -22,12 +22,23 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from reasonkv.core.layer import another_sequence
+
 SDPA, EAGER = "reasonkv_sdpa", "reasonkv_eager"
 BACKENDS = {"sdpa": SDPA, "eager": EAGER}
 
 
 def _padding_mask_passthrough(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs):
-    """Mask function: hand the 2-D padding mask [B, seen + q] (bool) on as it is, or None."""
+    """Mask function: hand the 2-D padding mask [B, seen + q] (bool) on as it is, or None.
+
+    generate() hands over the mask of the whole sequence and feeds only the tokens past the
+    cache's length, so a mask of any other length than seen + q means the cache holds another
+    sequence (a new, shorter prompt would otherwise fail opaquely or run on the old context)."""
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] != kv_length:
+        held, given = int(kv_length) - q_length, attention_mask.shape[-1]
+        raise another_sequence(
+            held, f"the new input's attention mask covers {given} tokens, not {held} + {q_length}"
+        )
     if attention_mask is None or bool(attention_mask.all()):
         return None
     return attention_mask
@@ -100,6 +111,8 @@ def _make_attention(kernel):
             return out.transpose(1, 2).contiguous(), weights
 
         cache.check_module(module)
+        if module.layer_idx == 0:
+            cache.check_continues(q_len, kwargs.get("position_ids"), attention_mask is not None)
         layer = cache.layers[module.layer_idx]
         mask, causal = layer.before_attention(_new_token_validity(attention_mask, q_len))
         out, weights = kernel(query, key, value, mask, scaling, is_causal=causal)

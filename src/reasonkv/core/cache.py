@@ -12,12 +12,13 @@ stored post-RoPE and never re-rotated.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
 
-from reasonkv.core.layer import GROWTH_CHUNK, CompressedLayer
+from reasonkv.core.layer import GROWTH_CHUNK, CompressedLayer, another_sequence
 from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.contract import HeadAllocator, Scorer
 from reasonkv.core.policy.schedules import Schedule
@@ -48,18 +49,68 @@ class ScorerStates(list):
     batch work across layers (BeaconKV) can refer to it weakly and make no reference cycle."""
 
 
+RECENT_EVENTS = 256
+"""Events a cache keeps by default: the most recent ones (per-layer, per-row counts are always
+kept whole, in the layers). Every-step methods compress every layer at every token, so a record
+of all events would grow with the sequence; `keep_all_events` opts in to it."""
+
+EVENT_OVERHEAD_BYTES = 1200
+"""Host memory one event costs beyond its tensors' data (a dataclass and two small CPU tensors:
+about 1.2 KB of RSS each, measured), so `memory()` can count what the record holds."""
+
+
 class EventLog:
     """The record of compressions, shared by a cache and its layers (the layers write to it;
-    it refers to neither, so dropping a cache frees its storage at once)."""
+    it refers to neither, so dropping a cache frees its storage at once). Keeps the last
+    `RECENT_EVENTS` events, or every event with `keep_all`."""
 
-    def __init__(self) -> None:
-        self.events: list[CompressionEvent] = []
+    def __init__(self, recent: int = RECENT_EVENTS) -> None:
         self.enabled = True
+        self._events: deque[CompressionEvent] | list[CompressionEvent] = deque(maxlen=recent)
+        self._recent = recent
+        self._data_bytes = 0  # tensor data of the events held
+
+    @property
+    def keep_all(self) -> bool:
+        return isinstance(self._events, list)
+
+    @keep_all.setter
+    def keep_all(self, keep: bool) -> None:
+        events = list(self._events)
+        self._events = events if keep else deque(events, maxlen=self._recent)
+        self._data_bytes = sum(_event_data_bytes(e) for e in self._events)
+
+    @property
+    def events(self) -> list[CompressionEvent]:
+        return list(self._events)
+
+    @events.setter
+    def events(self, events: list[CompressionEvent]) -> None:
+        self._events = list(events) if self.keep_all else deque(events, maxlen=self._recent)
+        self._data_bytes = sum(_event_data_bytes(e) for e in self._events)
 
     def add(self, layer_idx: int, seen: int, lengths: torch.Tensor, rows: torch.Tensor) -> None:
-        if self.enabled:
-            # A copy: on CPU .cpu() is the live tensor, which later steps change in place.
-            self.events.append(CompressionEvent(layer_idx, seen, lengths.cpu().clone(), rows.cpu().clone()))
+        if not self.enabled:
+            return
+        # A copy: on CPU .cpu() is the live tensor, which later steps change in place.
+        event = CompressionEvent(layer_idx, seen, lengths.cpu().clone(), rows.cpu().clone())
+        if not self.keep_all and len(self._events) == self._recent:
+            self._data_bytes -= _event_data_bytes(self._events[0])
+        self._events.append(event)
+        self._data_bytes += _event_data_bytes(event)
+
+    def clear(self) -> None:
+        self._events.clear()
+        self._data_bytes = 0
+
+    def nbytes(self) -> int:
+        """Host memory the record holds (an estimate: the tensors' data plus a measured overhead)."""
+        return self._data_bytes + EVENT_OVERHEAD_BYTES * len(self._events)
+
+
+def _event_data_bytes(event: CompressionEvent) -> int:
+    tensors = [event.lengths] + ([] if event.rows is None else [event.rows])
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass
@@ -112,12 +163,16 @@ class CompressedCache(Cache):
         self._module_ids = [id(m) for m in attention_modules] if attention_modules else None
         self.event_log = EventLog()
         self.timer = NO_TIMER
+        self._user_defined = False
+        self._new_call = False  # a generate() call began: check that it continues this sequence
         for layer in layers:
             layer.report = self.event_log.add
 
     @property
     def events(self) -> list[CompressionEvent]:
-        """One CompressionEvent per layer per compression, for plots (head budgets over steps)."""
+        """The recorded compressions, one CompressionEvent per layer per compression, oldest
+        first: the last `RECENT_EVENTS` (all of them with `keep_all_events`). To count
+        compressions use `n_compressions` and `row_compressions()`, which are never cut short."""
         return self.event_log.events
 
     @events.setter
@@ -132,9 +187,30 @@ class CompressedCache(Cache):
     def record_events(self, enabled: bool) -> None:
         self.event_log.enabled = enabled
 
+    @property
+    def keep_all_events(self) -> bool:
+        """Keep every event, not only the last `RECENT_EVENTS` (for plots of a whole run); the
+        record then grows with the sequence, and `memory()['event_bytes']` shows by how much."""
+        return self.event_log.keep_all
+
+    @keep_all_events.setter
+    def keep_all_events(self, keep: bool) -> None:
+        self.event_log.keep_all = keep
+
+    @property
+    def n_compressions(self) -> int:
+        """Compressions so far, one per layer per compression (every one, recorded or not)."""
+        return sum(layer.n_compressions for layer in self.layers)
+
+    def row_compressions(self) -> torch.Tensor:
+        """[B] (CPU) compressions each batch row took part in, summed over the layers."""
+        counts = [layer.compressions.cpu() for layer in self.layers if layer.compressions is not None]
+        return sum(counts[1:], counts[0]) if counts else torch.zeros(0, dtype=torch.long)
+
     def reset(self) -> None:
         super().reset()
         self.kv_meter.reset()  # a reused cache reports its new run's peak, not the last one's
+        self.event_log.clear()  # and its own compressions
 
     @property
     def timer(self) -> StepTimer:
@@ -146,6 +222,17 @@ class CompressedCache(Cache):
         self._timer = timer
         for layer in self.layers:
             layer.timer = timer
+
+    # generate() sets this on a cache it is given, once per call: the next forward is checked
+    # to continue the sequence the cache holds.
+    @property
+    def _is_user_defined(self) -> bool:
+        return self._user_defined
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        self._user_defined = value
+        self._new_call = True
 
     # transformers calls this from every attention module, passing its forward kwargs
     # (the very dict that then goes to the attention function).
@@ -159,6 +246,21 @@ class CompressedCache(Cache):
         forward_kwargs["reasonkv_cache"] = self
         with self._timer.section("update"):
             return self.layers[layer_idx].update(key_states, value_states)
+
+    def check_continues(self, q: int, positions: torch.Tensor | None, padded: bool) -> None:
+        """Called by layer 0's attention: this forward's tokens must continue the held sequence.
+        generate() derives positions from the whole new sequence's padding mask, so without
+        padding (`padded` False: that mask is all ones) the tokens past the cache's length start
+        at its length exactly when the sequence is the one held; with padding the mask function
+        checks the mask's length instead. Checked at each generate() call and each multi-token
+        forward (a decode step skips the device sync)."""
+        check, self._new_call = self._new_call or q > 1, False
+        start = self.layers[0].new_start
+        if not check or padded or positions is None or start == 0:
+            return
+        first = int(positions[..., 0].max())
+        if first != start:
+            raise another_sequence(start, f"the new tokens start at position {first}, not {start}")
 
     def check_module(self, module: torch.nn.Module) -> None:
         idx = module.layer_idx
@@ -187,14 +289,18 @@ class CompressedCache(Cache):
     def memory(self) -> dict:
         """physical_bytes (all cache tensors), kv_bytes (K and V storage), peak_kv_bytes (the most
         K/V storage held at once so far, moments when a layer holds old and new storage
-        included), live_tokens [layers, kv_heads] (per batch row, [B, L, H], when B > 1),
-        seen_tokens."""
+        included), event_bytes (host memory of the recorded events, an estimate),
+        total_bytes (physical_bytes + event_bytes: the cache's whole footprint),
+        live_tokens [layers, kv_heads] (per batch row, [B, L, H], when B > 1), seen_tokens."""
+        events = self.event_log.nbytes()
         layers = [layer for layer in self.layers if layer.is_initialized and layer.keys is not None]
         if not layers:
             return {
                 "physical_bytes": 0,
                 "kv_bytes": 0,
                 "peak_kv_bytes": 0,
+                "event_bytes": events,
+                "total_bytes": events,
                 "live_tokens": None,
                 "seen_tokens": 0,
             }
@@ -205,6 +311,8 @@ class CompressedCache(Cache):
             "physical_bytes": total,
             "kv_bytes": kv,
             "peak_kv_bytes": self.kv_meter.peak,
+            "event_bytes": events,
+            "total_bytes": total + events,
             "live_tokens": live[0] if live.shape[0] == 1 else live,
             "seen_tokens": layers[0].seen,
         }

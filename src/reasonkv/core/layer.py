@@ -30,7 +30,18 @@ from reasonkv.core.storage import KVStorage
 from reasonkv.core.timing import NO_TIMER, StepTimer
 
 GROWTH_CHUNK = 256
-"""Slack added when storage must grow outside the schedule (prefill, the full cache)."""
+"""Storage grows in chunks of this many slots, up to what the schedule needs (its trigger plus
+hole slots, or the kept tokens plus slack after a compaction), so a layer never holds more than
+the tokens it has seen plus one chunk: a budget far above the sequence costs nothing."""
+
+
+def another_sequence(held: int, detail: str) -> ValueError:
+    """The error for a cache handed a sequence other than the one it holds."""
+    return ValueError(
+        f"this cache holds {held} tokens of another sequence ({detail}); a cache serves one sequence "
+        "(a later generate() call may continue it with the whole sequence so far): make a new cache with "
+        "reasonkv.make_cache(model, ...) for a new prompt, or call cache.reset() first"
+    )
 
 
 @dataclass
@@ -134,6 +145,8 @@ class CompressedLayer(CacheLayerMixin):
         self.live_upper = 0  # an upper bound of max_b sum_h n_valid, to skip the trigger check cheaply
         self.pending = False  # update() ran, after_attention() not yet
         self._new_valid: torch.Tensor | None = None
+        self.compressions: torch.Tensor | None = None  # [B] compressions each row took part in
+        self.n_compressions = 0  # compressions of this layer (any rows)
         self.is_initialized = False
 
     def reset(self) -> None:
@@ -150,6 +163,7 @@ class CompressedLayer(CacheLayerMixin):
         self.storage = KVStorage(b, h, self.device, tuple(self.policy.scorer.state_names), self.meter)
         self.budgets = self.budgets.to(self.device)
         self.targets = torch.tensor(self.plan.targets, device=self.device)
+        self.compressions = torch.zeros(b, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
     # ------------------------------------------------------------ what it holds
@@ -197,6 +211,8 @@ class CompressedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.batch_size and key_states.shape[1] == self.budgets.numel():
+            raise another_sequence(self.seen, f"batch of {self.batch_size}, given {key_states.shape[0]} rows")
         elif key_states.shape[:2] != self.storage.lengths.shape:
             # Caught here, before the write would fail with an opaque shape error.
             raise RuntimeError(
@@ -213,12 +229,13 @@ class CompressedLayer(CacheLayerMixin):
         storage, q = self.storage, key_states.shape[2]
         needed = storage.used + q
         trigger = self.plan.trigger_max
-        # Room up to the schedule's trigger, so decoding writes in place until it compresses.
+        # Room up to the schedule's trigger, so decoding writes in place until it compresses;
+        # reached one chunk at a time, so storage never exceeds the tokens seen by more than a chunk.
         if trigger is not None and needed <= trigger:
             capacity = trigger + self.plan.hole_slots
         else:
             capacity = needed + self._slack()
-        storage.ensure_capacity(needed, capacity, key_states, value_states)
+        storage.ensure_capacity(needed, min(capacity, needed + GROWTH_CHUNK), key_states, value_states)
         storage.append(key_states, value_states, self.seen)
         self.live_upper += q * storage.lengths.shape[1]
         self.new_start, self.seen = self.seen, self.seen + q
@@ -281,6 +298,8 @@ class CompressedLayer(CacheLayerMixin):
         keep = torch.where(rows[:, None], keep, storage.n_valid)
         with self.timer.section("compress"):
             self.compress(keep, scores)
+        self.compressions += rows
+        self.n_compressions += 1
         if self.report is not None:
             self.report(self.layer_idx, self.seen, storage.n_valid, rows)
 
@@ -342,7 +361,7 @@ class CompressedLayer(CacheLayerMixin):
             with self.timer.section("holes"):
                 storage.evict_in_place(slots, new_len)
         else:
-            capacity = slots.shape[-1] + self._slack() + hole_slots
+            capacity = slots.shape[-1] + min(self._slack() + hole_slots, GROWTH_CHUNK)
             with self.timer.section("compact"):
                 storage.compact(slots, new_len, capacity)
         self.live_upper = int(new_len.sum(-1).max())
@@ -355,6 +374,8 @@ class CompressedLayer(CacheLayerMixin):
         # reasonkv's mask function builds its mask from `token_index`, not from these sizes;
         # they describe the logical sequence so a stock mask function would stay consistent.
         q = query_length if isinstance(query_length, int) else int(query_length.shape[0])
+        if q == 0 and self.seen:  # generate() given a prompt much shorter than the sequence held
+            raise another_sequence(self.seen, "the new input has no tokens past them")
         return self.seen + q, 0
 
     def get_max_length(self) -> int:
@@ -364,6 +385,7 @@ class CompressedLayer(CacheLayerMixin):
         """Keep batch rows `rows` [B'] (beam search reorders, repeats or drops them)."""
         rows = rows.to(self.device)
         self.storage.select_rows(rows)
+        self.compressions = self.compressions.index_select(0, rows)
         self.window.select_rows(rows)
         self.states.select_rows(rows)
 
@@ -386,7 +408,7 @@ class CompressedLayer(CacheLayerMixin):
         """Every tensor the layer holds: storage, query window, and its policies' tensors."""
         if self.storage is None:
             return []
-        out = self.storage.tensors() + self.window.tensors()
+        out = self.storage.tensors() + self.window.tensors() + [self.compressions]
         for state in (self.states.scorer, self.states.schedule, self.states.head_allocator):
             if state is not None:
                 out += [v for v in vars(state).values() if isinstance(v, torch.Tensor)]

@@ -61,7 +61,7 @@ def memory_summary(cache) -> dict:
     live = mem.get("live_tokens")
     mem["live_mean"] = float(live.float().mean()) if live is not None else 0.0
     n_layers = max(len(cache.layers), 1)
-    mem["compressions"] = round(len(cache.events) / n_layers, 1)
+    mem["compressions"] = round(cache.n_compressions / n_layers, 1)
     return mem
 
 

@@ -383,7 +383,7 @@ def replay_batch(
         cat = {
             k: torch.cat([r[k] for r in lane.records], dim=1).cpu() for k in ("kl", "top1", "nll_full", "nll")
         }
-        events = [e.rows for e in lane.cache.events]
+        row_compressions = lane.cache.row_compressions()
         for r, inp in enumerate(inputs):
             n = batch.lengths[r]
             results[r].append(
@@ -399,7 +399,7 @@ def replay_batch(
                     decode_peak_kv_bytes=lane.cache.kv_meter.peak / rows,
                     mean_kv_bytes=float(lane.kv_weighted[r]) / n,
                     forwards=lane.forwards,
-                    compressions=sum(1 for e in events if e is None or bool(e[r])),
+                    compressions=int(row_compressions[r]),
                     seconds=lane.seconds / rows,
                 )
             )

@@ -13,8 +13,17 @@ from reasonkv.core.cache import CompressedCache
 from reasonkv.util.records import write_json_atomic
 
 
+def record_all_events(cache: CompressedCache) -> CompressedCache:
+    """Make `cache` keep every compression event (a cache keeps only the last ones by
+    default); call it before the run whose record `run_record` will make."""
+    cache.keep_all_events = True
+    return cache
+
+
 def run_record(cache: CompressedCache, **meta) -> dict:
-    """JSON-ready summary of a cache after a run (batch row 0 for the per-head lengths)."""
+    """JSON-ready summary of a cache after a run (batch row 0 for the per-head lengths). Every
+    event is in it when the cache kept them all (`record_all_events`); otherwise the last ones,
+    and `compressions` says how many there were."""
     mem = cache.memory()
     live = mem["live_tokens"]
     return {
@@ -25,6 +34,7 @@ def run_record(cache: CompressedCache, **meta) -> dict:
         "kv_bytes": mem["kv_bytes"],
         "physical_bytes": mem["physical_bytes"],
         "live_tokens": None if live is None else live.tolist(),
+        "compressions": cache.n_compressions,
         "events": [
             {"layer": e.layer, "seen": e.seen, "lengths": e.lengths[0].tolist()} for e in cache.events
         ],

@@ -38,15 +38,15 @@ from reasonkv.methods.registry import get_method
 class _Lane:
     result: MethodResult
     cache: object
-    events_seen: int = 0
+    compressions_seen: int = 0
 
 
 def _track_evictions(lane: _Lane) -> None:
     """After a forward: give every token the cache no longer holds its eviction time."""
     cache = lane.cache
-    if len(cache.events) == lane.events_seen:
+    if cache.n_compressions == lane.compressions_seen:
         return  # nothing compressed since the last look
-    lane.events_seen = len(cache.events)
+    lane.compressions_seen = cache.n_compressions
     evicted = lane.result.evicted_at
     n = evicted.shape[-1]
     for li, layer in enumerate(cache.layers):
@@ -171,7 +171,7 @@ def analyze_trace(
         if progress is not None:
             progress("replay", 1)
     for lane in lanes:
-        lane.result.compressions = len(lane.cache.events)
+        lane.result.compressions = lane.cache.n_compressions
     return _assemble(
         recorder, persistent, input_ids[0].cpu(), trace_id, shape, lanes, time.perf_counter() - start
     )

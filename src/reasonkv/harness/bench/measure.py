@@ -72,7 +72,7 @@ def _result(
         "select_seconds": select_seconds,
         "score_select_seconds": score_seconds + select_seconds,
         "score_select_fraction": (score_seconds + select_seconds) / max(decode_seconds, 1e-12),
-        "compressions": len(cache.events),
+        "compressions": cache.n_compressions,
         "top1_agreement": float(agree.mean()) if agree.numel() else None,
         "step_seconds": steps,
     }
