@@ -16,6 +16,7 @@ from reasonkv.cli.common import (
     SharedSetsOption,
     TracesOption,
     build_runs,
+    check_budget,
     check_runs_build,
     command_line,
     console,
@@ -97,8 +98,7 @@ def analyze_command(
         if methods.strip().lower() in ("none", ""):
             runs = []
         else:
-            if budget <= 0:
-                raise CliError(f"budget must be a positive number of tokens per KV head, got {budget}")
+            check_budget(budget)
             runs = build_runs(split_list(methods, "--methods"), [budget], parse_sets(sets))
         layer_list = _int_list(layers, "--layers")
         head_list = _int_list(heads, "--heads")

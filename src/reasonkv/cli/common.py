@@ -30,6 +30,7 @@ console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
 
 USAGE_ERROR = 2
+MAX_BUDGET = 1 << 20  # tokens per KV head, far above any context these models take
 MODEL_HELP = "Bundled name (smollm2-135m), local directory or .gguf file, or Hugging Face id."
 
 # Options that several commands declare the same way (the default stays with each command).
@@ -90,6 +91,21 @@ def positive_ints(text: str, option: str, what: str) -> list[int]:
             raise CliError(f"{option} takes positive integers ({what}), got {value}")
         values.append(value)
     return list(dict.fromkeys(values))
+
+
+def check_budget(budget: int, option: str = "--budget") -> int:
+    """A budget a cache can be built with: 1 to MAX_BUDGET tokens per KV head (a larger one
+    overflows the budget tensors), else a CliError naming the option and the range."""
+    if not 0 < budget <= MAX_BUDGET:
+        raise CliError(
+            f"{option} must be a positive number of tokens per KV head, at most {MAX_BUDGET}, got {budget}"
+        )
+    return budget
+
+
+def parse_budgets(text: str, option: str = "--budgets") -> list[int]:
+    """'64,128' -> [64, 128], each checked by `check_budget`."""
+    return [check_budget(b, option) for b in positive_ints(text, option, "tokens per KV head")]
 
 
 # ------------------------------------------------------------------ knobs

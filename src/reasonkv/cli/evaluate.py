@@ -20,6 +20,7 @@ from reasonkv.cli.common import (
     MethodSetsOption,
     ModelOption,
     check_attn,
+    check_budget,
     console,
     fail,
     loading_status,
@@ -112,8 +113,8 @@ def eval_command(
     try:
         spec = get_method(method)
         knobs = check_knobs(spec, parse_sets(sets))
-        if spec.compresses and budget <= 0:
-            raise CliError(f"budget must be a positive number of tokens per KV head, got {budget}")
+        if spec.compresses:
+            check_budget(budget)
         if min(samples, max_new_tokens, batch_size) <= 0:
             raise CliError("--samples, --max-new-tokens and --batch-size must be positive")
         if not sample and samples > 1:

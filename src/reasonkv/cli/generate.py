@@ -21,6 +21,7 @@ from reasonkv.cli.common import (
     MethodSetsOption,
     ModelOption,
     check_attn,
+    check_budget,
     console,
     err_console,
     fail,
@@ -35,6 +36,7 @@ from reasonkv.methods.api import generate as generate_text
 from reasonkv.methods.knobs import check_knobs
 from reasonkv.methods.registry import METHODS, PROTECTION_KNOBS, MethodSpec, get_method
 from reasonkv.util.formatting import format_bytes
+from reasonkv.util.records import not_utf8
 from reasonkv.util.runtime import set_threads
 
 
@@ -121,8 +123,12 @@ def generate_command(
             if not profile.exists():
                 raise CliError(f"no profile at {profile}")
             knobs["profile"] = str(profile)
-        if spec.compresses and budget <= 0:
-            raise CliError(f"budget must be a positive number of tokens per KV head, got {budget}")
+        if spec.compresses:
+            check_budget(budget)
+        if not chat and not prompt:
+            raise CliError("the prompt is empty: --raw continues the prompt as written, so give it some text")
+        if (why := not_utf8(prompt)) is not None:
+            raise CliError(f"the prompt is {why}; give it as UTF-8")
         check_attn(attn)
         if max_new_tokens <= 0:
             raise CliError(f"--max-new-tokens must be positive, got {max_new_tokens}")

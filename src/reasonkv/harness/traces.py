@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from reasonkv.util.records import RecordError, describe_json, pick_by_id, read_jsonl_objects
+from reasonkv.util.records import RecordError, describe_json, not_utf8, pick_by_id, read_jsonl_objects
 
 
 @dataclass
@@ -70,6 +70,8 @@ def check_trace_row(row: dict, where: str) -> dict:
     for key in ("problem", "trace"):
         if not isinstance(row[key], str):
             raise RecordError(f"{where}: `{key}` must be a string, got {describe_json(row[key])}")
+        if (why := not_utf8(row[key])) is not None:
+            raise RecordError(f"{where}: `{key}` is {why}")
     if isinstance(row["id"], int) and not isinstance(row["id"], bool):
         row["id"] = str(row["id"])
     if not isinstance(row["id"], str) or not row["id"]:

@@ -57,6 +57,18 @@ def describe_json(value: object) -> str:
     return "an object"
 
 
+def not_utf8(text: str) -> str | None:
+    """Why `text` cannot be encoded as UTF-8 (a lone surrogate: an undecodable byte that
+    Python kept from the command line, or a "\\udcff" escape in JSON), or None if it can."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        return f"not UTF-8 text ({what} at character {err.start + 1})"
+    return None
+
+
 def _read_bytes_lines(path: Path):
     try:
         with path.open("rb") as f:
