@@ -125,8 +125,8 @@ def generate_command(
             knobs["profile"] = str(profile)
         if spec.compresses:
             check_budget(budget)
-        if not chat and not prompt:
-            raise CliError("the prompt is empty: --raw continues the prompt as written, so give it some text")
+        if not prompt:
+            raise CliError("the prompt is empty: give the text to answer (or, with --raw, to continue)")
         if (why := not_utf8(prompt)) is not None:
             raise CliError(f"the prompt is {why}; give it as UTF-8")
         check_attn(attn)
