@@ -198,3 +198,18 @@ def test_a_truncated_gguf_file_is_named_as_truncated_or_corrupt(tmp_path, size) 
     cut.write_bytes(head)
     result = runner.invoke(cli.app, ["generate", "--model", str(cut), "hi"], env=WIDE)
     one_line_error(result, f"GGUF file {cut} is truncated or corrupt (")
+
+
+def test_plot_reads_a_bare_profile_and_names_a_bad_run_file(tmp_path) -> None:
+    profile, png = tmp_path / "wave.json", tmp_path / "w.png"
+    profile.write_text('{"config_hash": "x", "demand": [0.2, 0.9, 0.5]}')  # no per-trace curves
+    result = runner.invoke(cli.app, ["plot", "wave", str(profile), "--out", str(png)], env=WIDE)
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "run.json"
+    for text, message in (
+        ("null", "a run record must be a JSON object"),
+        ('{"events": [', "run.json:1: not JSON"),
+    ):
+        run.write_text(text)
+        args = ["plot", "budgets", str(run), "--out", str(png)]
+        one_line_error(runner.invoke(cli.app, args, env=WIDE), message)
