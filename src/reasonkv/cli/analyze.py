@@ -97,8 +97,6 @@ def analyze_command(
         if methods.strip().lower() in ("none", ""):
             runs = []
         else:
-            if budget <= 0:
-                raise CliError(f"budget must be a positive number of tokens per KV head, got {budget}")
             runs = build_runs(split_list(methods, "--methods"), [budget], parse_sets(sets))
         layer_list = _int_list(layers, "--layers")
         head_list = _int_list(heads, "--heads")

@@ -26,6 +26,7 @@ from reasonkv.cli.common import (
     console,
     fail,
     loading_status,
+    parse_budgets,
     parse_sets,
     positive_ints,
     progress_bar,
@@ -104,7 +105,7 @@ def bench_command(
     through the same tokens (the full cache's greedy output), each as a ratio to the full cache."""
     try:
         method_names = split_list(methods, "--methods")
-        budget_list = positive_ints(budgets, "--budgets", "tokens per KV head")
+        budget_list = parse_budgets(budgets)
         length_list = sorted(positive_ints(lengths, "--lengths", "generated tokens"))
         if window <= 0:
             raise CliError(f"--window must be positive, got {window}")

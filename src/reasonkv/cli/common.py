@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from reasonkv.core.policy.knob import MAX_TOKENS
 from reasonkv.harness.replay import ReplayRun
 from reasonkv.methods.api import make_cache
 from reasonkv.methods.knobs import check_budget, knobs_for_methods
@@ -91,6 +92,16 @@ def positive_ints(text: str, option: str, what: str) -> list[int]:
             raise CliError(f"{option} takes positive integers ({what}), got {value}")
         values.append(value)
     return list(dict.fromkeys(values))
+
+
+def parse_budgets(text: str, option: str = "--budgets") -> list[int]:
+    """'64,128' -> [64, 128]: positive, and at most MAX_TOKENS (each method checks the rest when
+    its runs are built)."""
+    budgets = positive_ints(text, option, "tokens per KV head")
+    for budget in budgets:
+        if budget > MAX_TOKENS:
+            raise CliError(f"{option} takes at most {MAX_TOKENS} tokens per KV head, got {budget}")
+    return budgets
 
 
 # ------------------------------------------------------------------ knobs

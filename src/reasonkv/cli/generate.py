@@ -36,6 +36,7 @@ from reasonkv.methods.api import generate as generate_text
 from reasonkv.methods.knobs import check_budget, check_knobs, knob_bounds, literal_choices
 from reasonkv.methods.registry import METHODS, PROTECTION_KNOBS, MethodSpec, get_method
 from reasonkv.util.formatting import format_bytes
+from reasonkv.util.records import not_utf8
 from reasonkv.util.runtime import set_threads
 
 
@@ -143,6 +144,10 @@ def generate_command(
                 raise CliError(f"no profile at {profile}")
             knobs["profile"] = str(profile)
         check_budget(spec, budget, knobs)
+        if not prompt:
+            raise CliError("the prompt is empty: give the text to answer (or, with --raw, to continue)")
+        if (why := not_utf8(prompt)) is not None:
+            raise CliError(f"the prompt is {why}; give it as UTF-8")
         check_attn(attn)
         if max_new_tokens <= 0:
             raise CliError(f"--max-new-tokens must be positive, got {max_new_tokens}")

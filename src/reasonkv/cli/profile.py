@@ -3,7 +3,6 @@ the profile that the reasonalloc-* methods allocate budgets from."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -24,7 +23,7 @@ from reasonkv.cli.common import (
 )
 from reasonkv.core.models import DEFAULT_MODEL, load_model
 from reasonkv.harness.profile import plot_wave, profile_traces
-from reasonkv.harness.traces import load_traces
+from reasonkv.harness.traces import load_problem_rows, load_traces
 from reasonkv.methods.api import GREEDY
 from reasonkv.methods.api import generate as generate_text
 from reasonkv.methods.profiles import save_profile
@@ -72,9 +71,8 @@ def profile_command(
     """Profile the Reasoning Wave: per-layer attention entropy while replaying reasoning traces."""
     try:
         if generate:
-            problems = [json.loads(line) for line in traces.read_text().splitlines() if line.strip()]
-            problems = problems[:limit] if limit is not None else problems
-            if not problems or any("problem" not in p for p in problems):
+            problems = load_problem_rows(traces, limit)
+            if not problems:
                 raise CliError(f"{traces}: --generate needs rows with a `problem` field")
         else:
             rows = load_traces(traces, limit=limit, variant=None if variant == "all" else variant)

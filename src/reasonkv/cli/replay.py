@@ -27,8 +27,8 @@ from reasonkv.cli.common import (
     err_console,
     fail,
     loading_status,
+    parse_budgets,
     parse_sets,
-    positive_ints,
     progress_bar,
     split_list,
 )
@@ -98,7 +98,7 @@ def replay_command(
     mean KL(full‖method), top-1 agreement and perplexity ratio, overall and by position."""
     try:
         method_names = split_list(methods, "--methods")
-        budget_list = positive_ints(budgets, "--budgets", "tokens per KV head")
+        budget_list = parse_budgets(budgets)
         runs = build_runs(method_names, budget_list, parse_sets(sets))
         if max_tokens <= 1:
             raise CliError(f"--max-tokens must be at least 2, got {max_tokens}")

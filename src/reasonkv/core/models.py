@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +109,53 @@ def bundled_gguf_path(name: str) -> Path:
     )
 
 
+GGUF_MAGIC = b"GGUF"
+# What reading a damaged GGUF raises (a short read, a tensor that does not fit what is left).
+GGUF_READ_ERRORS = (ValueError, struct.error, EOFError, IndexError, KeyError, OverflowError)
+
+
+class CorruptModelError(ValueError):
+    pass
+
+
+def looks_like_path(name: str) -> bool:
+    """Is a model argument meant as a local path rather than a hub id? It starts with ./ ../ /
+    or ~, ends with .gguf, exists, or sits in a folder that exists (e.g. models/mine)."""
+    if name.startswith(("./", "../", "/", "~")) or name in (".", "..") or name.endswith(".gguf"):
+        return True
+    path = Path(name)
+    return path.exists() or (len(path.parts) > 1 and path.parent.is_dir())
+
+
+def check_local_model(name: str | Path) -> Path:
+    """The path of a local model (a GGUF file, or a folder with config.json), with ~ expanded;
+    a path that does not exist or holds no model is an error that names it."""
+    path = Path(name).expanduser()
+    if not path.exists():
+        what = "GGUF file" if path.suffix == ".gguf" else "model"
+        raise FileNotFoundError(f"no {what} at {name}: the path does not exist")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f"; to load its GGUF, pass the file ({path / ggufs[0]})" if ggufs else ""
+        raise FileNotFoundError(
+            f"model folder {path} has no config.json (a Hugging Face model folder needs config.json, "
+            f"the tokenizer files and the weights){hint}"
+        )
+    with path.open("rb") as f:
+        head = f.read(len(GGUF_MAGIC))
+    if head != GGUF_MAGIC:
+        if not head:
+            what = "empty"
+        elif path.suffix == ".gguf":
+            what = "not a GGUF file (it does not start with the GGUF magic bytes)"
+        else:
+            what = "neither a GGUF file nor a model folder"
+        raise CorruptModelError(f"{path} is {what}")
+    return path
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype | str = torch.float32,
@@ -130,11 +178,9 @@ def load_model(
     if name_or_path in BUNDLED_GGUF:
         path = bundled_gguf_path(name_or_path)
         source, gguf_file = str(path.parent), path.name
-    elif str(name_or_path).endswith(".gguf"):
-        path = Path(name_or_path)
-        if not path.exists():
-            raise FileNotFoundError(f"no GGUF file at {path}")
-        source, gguf_file = str(path.parent), path.name
+    elif looks_like_path(str(name_or_path)):
+        path = check_local_model(name_or_path)
+        source, gguf_file = (str(path.parent), path.name) if path.is_file() else (str(path), gguf_file)
     else:
         source = str(name_or_path)
         if not os.path.exists(source) and "/" not in source:
@@ -152,6 +198,13 @@ def load_model(
         raise FileNotFoundError(
             f"could not load {name_or_path!r}: {err.__class__.__name__}. Give a local path, or make sure the "
             "Hugging Face hub is reachable (HF_HUB_OFFLINE unset) for hub ids"
+        ) from err
+    except GGUF_READ_ERRORS as err:
+        if not gguf_file or "not supported" in str(err):
+            raise
+        reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else err.__class__.__name__
+        raise CorruptModelError(
+            f"GGUF file {Path(source) / gguf_file} is truncated or corrupt ({reason})"
         ) from err
     check_supported(model.config)
     model.to(device).eval()

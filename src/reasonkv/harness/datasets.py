@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 
-from reasonkv.util.records import pick_by_id
+from reasonkv.util.records import pick_by_id, read_jsonl_objects
 
 DATA_DIR_ENV = "REASONKV_DATA_DIR"
 KNOWN = ("math500", "aime24", "aime25")
@@ -63,15 +62,9 @@ def _normalise(rows: list[dict], where: str) -> list[dict]:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    """Problem rows of a jsonl file; a line that is not a JSON object names the file and line."""
     path = Path(path)
-    rows = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{n}: not JSON ({err.msg})") from err
+    rows = [row for _, row in read_jsonl_objects(path, "problem row")]
     return _normalise(rows, str(path))
 
 

@@ -155,7 +155,7 @@ def plot_wave(profile: dict, path: str | Path, title: str | None = None) -> Path
     from reasonkv.util.plotting import pyplot, save_figure
 
     plt = pyplot()
-    curves = torch.tensor(profile["per_trace_demand"])
+    curves = torch.tensor(profile.get("per_trace_demand") or [profile["demand"]], dtype=torch.float64)
     mean = curves.mean(0)
     layers = list(range(curves.shape[1]))
     fig, ax = plt.subplots(figsize=(7, 3.8))
@@ -168,8 +168,8 @@ def plot_wave(profile: dict, path: str | Path, title: str | None = None) -> Path
     ax.set_ylabel("normalised attention entropy")
     ax.set_title(
         title
-        or f"Reasoning Wave: {profile['model']} ({len(profile['traces'])} traces, "
-        f"{profile['tokens_seen']} tokens)"
+        or f"Reasoning Wave: {profile.get('model', '?')} ({len(profile.get('traces') or [])} traces, "
+        f"{profile.get('tokens_seen', '?')} tokens)"
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

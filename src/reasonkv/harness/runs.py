@@ -6,11 +6,10 @@ per head after it), which is what `reasonkv plot budgets` draws.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from reasonkv.core.cache import CompressedCache
-from reasonkv.util.records import write_json_atomic
+from reasonkv.util.records import read_json_object, write_json_atomic
 
 
 def record_all_events(cache: CompressedCache) -> CompressedCache:
@@ -49,8 +48,8 @@ def load_run(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no run record at {path}")
-    record = json.loads(path.read_text())
-    if "events" not in record:
+    record = read_json_object(path, "run record")
+    if not isinstance(record.get("events"), list):
         raise ValueError(f"{path} is not a reasonkv run record (no compression events)")
     return record
 

@@ -7,13 +7,12 @@ assistant's text, so the replayed tokens look like the model's own chain of thou
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from reasonkv.util.records import pick_by_id
+from reasonkv.util.records import RecordError, describe_json, not_utf8, pick_by_id, read_jsonl_objects
 
 
 @dataclass
@@ -29,7 +28,8 @@ def load_traces(
     variant: str | None = "well_posed",
     ids: list[str] | None = None,
 ) -> list[dict]:
-    """Rows of a trace jsonl (each needs `id`, `problem`, `trace`), in file order.
+    """Rows of a trace jsonl (each needs `id`, `problem`, `trace`), in file order. A line that
+    is not such a row is a RecordError (a ValueError) naming the file and line.
 
     variant: keep only rows whose `variant` field equals it (None = all rows).
     ids: keep only these ids (in the given order); limit: the first N after filtering.
@@ -37,21 +37,46 @@ def load_traces(
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no trace file at {path}")
-    rows = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            missing = {"id", "problem", "trace"} - set(row)
-            if missing:
-                raise ValueError(f"{path}:{n}: trace rows need {sorted(missing)}")
-            rows.append(row)
+    rows = [check_trace_row(row, f"{path}:{n}") for n, row in read_jsonl_objects(path, "trace row")]
     if variant is not None:
         rows = [r for r in rows if r.get("variant", variant) == variant]
     if ids is not None:
         rows = pick_by_id(rows, ids, "trace", path)
     return rows[:limit] if limit is not None else rows
+
+
+def load_problem_rows(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Rows of a jsonl whose `problem` strings the model will answer to write its own traces,
+    in file order (the first `limit`); a row without a `problem` string names its line."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no problem file at {path}")
+    rows = []
+    for n, row in read_jsonl_objects(path, "problem row"):
+        if "problem" not in row:
+            raise RecordError(f"{path}:{n}: each row needs a `problem` field")
+        if not isinstance(row["problem"], str):
+            raise RecordError(f"{path}:{n}: `problem` must be a string, got {describe_json(row['problem'])}")
+        rows.append(row)
+    return rows[:limit] if limit is not None else rows
+
+
+def check_trace_row(row: dict, where: str) -> dict:
+    """A trace row with `problem` and `trace` strings and an `id` (a number becomes its string);
+    anything else is a RecordError naming `where` (file:line) and the field."""
+    missing = {"id", "problem", "trace"} - set(row)
+    if missing:
+        raise RecordError(f"{where}: trace rows need {sorted(missing)}")
+    for key in ("problem", "trace"):
+        if not isinstance(row[key], str):
+            raise RecordError(f"{where}: `{key}` must be a string, got {describe_json(row[key])}")
+        if (why := not_utf8(row[key])) is not None:
+            raise RecordError(f"{where}: `{key}` is {why}")
+    if isinstance(row["id"], int) and not isinstance(row["id"], bool):
+        row["id"] = str(row["id"])
+    if not isinstance(row["id"], str) or not row["id"]:
+        raise RecordError(f"{where}: `id` must be a non-empty string or an integer, got {row['id']!r}")
+    return row
 
 
 def replay_input(tokenizer, row: dict, max_tokens: int | None = None) -> ReplayInput:
