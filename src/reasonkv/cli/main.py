@@ -18,6 +18,7 @@ from reasonkv.cli.plot import plot_app
 from reasonkv.cli.profile import profile_command
 from reasonkv.cli.replay import replay_command
 from reasonkv.cli.sweep import report_command, sweep_command
+from reasonkv.util.version import package_version
 
 app = typer.Typer(
     name="reasonkv",
@@ -30,9 +31,7 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
-        import reasonkv
-
-        typer.echo(f"reasonkv {reasonkv.__version__}")
+        typer.echo(f"reasonkv {package_version()}")
         raise typer.Exit()
 
 
