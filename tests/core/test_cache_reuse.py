@@ -67,6 +67,26 @@ def test_a_new_prompt_on_a_used_cache_is_refused_clearly(length: int) -> None:
         _generate(model, random_prompt(length, seed=9), cache, 5)
 
 
+@pytest.mark.parametrize("length", [33, 40, 64])
+def test_a_longer_new_prompt_on_a_used_cache_is_refused_by_its_tokens(length: int) -> None:
+    """Longer than the 32 held tokens, a new prompt's tail would sit at the right positions:
+    only its token ids tell it apart from a continuation."""
+    model = tiny_model("llama", "sdpa", 2)
+    cache = reasonkv.make_cache(model, "snapkv", 16)
+    first = _generate(model, random_prompt(12, seed=5), cache, 21)
+    with pytest.raises(
+        ValueError, match="holds 32 tokens of another sequence.*does not begin with the tokens"
+    ):
+        _generate(model, random_prompt(length, seed=9), cache, 5)
+    # The same cache, reset, serves it; and a true continuation of `first` still passes the check.
+    cache.reset()
+    _generate(model, random_prompt(length, seed=9), cache, 3)
+    again = reasonkv.make_cache(model, "snapkv", 16)
+    first = _generate(model, random_prompt(12, seed=5), again, 21)
+    longer = torch.cat([first, random_prompt(length - first.shape[1] + 1, seed=3)], dim=1)
+    assert _generate(model, longer, again, 2).shape[1] == longer.shape[1] + 2
+
+
 @pytest.mark.parametrize("length", [3, 8, 16])
 def test_a_new_padded_batch_on_a_used_cache_is_refused_by_its_mask(length: int) -> None:
     model = tiny_model("llama", "sdpa", 2)

@@ -130,6 +130,10 @@ class LayerPolicy:
     rope_attention_scaling: float = 1.0
 
 
+FED_TAIL = 16
+"""Token ids kept per row to recognise the sequence a cache holds (check_input_ids)."""
+
+
 class CompressedCache(Cache):
     """A `transformers.Cache` whose layers evict tokens by a scorer, a schedule and budgets.
 
@@ -165,6 +169,9 @@ class CompressedCache(Cache):
         self.timer = NO_TIMER
         self._user_defined = False
         self._new_call = False  # a generate() call began: check that it continues this sequence
+        self._ids_call = False  # the same, for the token ids check (see check_input_ids)
+        self._fed_tail: torch.Tensor | None = None  # the last FED_TAIL token ids of each row fed
+        self._fed_end = 0  # the sequence length they end at
         for layer in layers:
             layer.report = self.event_log.add
 
@@ -211,6 +218,7 @@ class CompressedCache(Cache):
         super().reset()
         self.kv_meter.reset()  # a reused cache reports its new run's peak, not the last one's
         self.event_log.clear()  # and its own compressions
+        self._fed_tail, self._fed_end = None, 0
 
     @property
     def timer(self) -> StepTimer:
@@ -232,7 +240,7 @@ class CompressedCache(Cache):
     @_is_user_defined.setter
     def _is_user_defined(self, value: bool) -> None:
         self._user_defined = value
-        self._new_call = True
+        self._new_call = self._ids_call = True
 
     # transformers calls this from every attention module, passing its forward kwargs
     # (the very dict that then goes to the attention function).
@@ -246,6 +254,24 @@ class CompressedCache(Cache):
         forward_kwargs["reasonkv_cache"] = self
         with self._timer.section("update"):
             return self.layers[layer_idx].update(key_states, value_states)
+
+    def check_input_ids(self, input_ids: torch.Tensor) -> None:
+        """generate() hands each step the whole sequence so far. At a call's first step it must
+        begin with the tokens this cache was fed: the last FED_TAIL of them are kept to compare,
+        which catches a new prompt longer than the held sequence (positions alone cannot: they
+        would continue). Later steps only keep the tail: a slice on the device, no host sync."""
+        check, self._ids_call = self._ids_call, False
+        tail, end = self._fed_tail, self._fed_end
+        if check and tail is not None and self.get_seq_length() > 0:
+            held = self.get_seq_length()
+            if input_ids.shape[0] != tail.shape[0]:
+                raise another_sequence(held, f"batch of {tail.shape[0]}, given {input_ids.shape[0]} rows")
+            same = input_ids.shape[1] >= end and torch.equal(
+                input_ids[:, end - tail.shape[1] : end], tail.to(input_ids.device)
+            )
+            if not same:
+                raise another_sequence(held, "the new input does not begin with the tokens it was fed")
+        self._fed_tail, self._fed_end = input_ids[:, -FED_TAIL:].clone(), input_ids.shape[1]
 
     def check_continues(self, q: int, positions: torch.Tensor | None, padded: bool) -> None:
         """Called by layer 0's attention: this forward's tokens must continue the held sequence.

@@ -19,6 +19,7 @@ def install_attention(model) -> str:
     """Switch the model to reasonkv's attention of the same backend (sdpa or eager)."""
     current = model.config._attn_implementation
     if current in attention.BACKENDS.values():
+        _guard_generation(model)
         return current
     if current not in attention.BACKENDS:
         raise ValueError(
@@ -27,7 +28,26 @@ def install_attention(model) -> str:
         )
     name = attention.BACKENDS[current]
     model.set_attn_implementation(name)
+    _guard_generation(model)
     return name
+
+
+def _guard_generation(model) -> None:
+    """generate() passes the whole sequence to prepare_inputs_for_generation at every step (and
+    only the new tokens to the model): that is where a CompressedCache can see whether a call
+    continues the sequence it holds."""
+    prepare = getattr(model, "prepare_inputs_for_generation", None)
+    if prepare is None or getattr(prepare, "reasonkv_guard", False):
+        return
+
+    def guarded(input_ids, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, CompressedCache) and isinstance(input_ids, torch.Tensor):
+            cache.check_input_ids(input_ids)
+        return prepare(input_ids, *args, **kwargs)
+
+    guarded.reasonkv_guard = True
+    model.prepare_inputs_for_generation = guarded
 
 
 def _demand_loader(model):
