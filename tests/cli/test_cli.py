@@ -32,6 +32,16 @@ def test_version_is_the_installed_packages():
     assert reasonkv.__version__ == metadata.version("reasonkv")
 
 
+def test_help_wraps_sentences_where_the_terminal_ends_not_where_the_source_did():
+    assert cli.flowed_help("First line\n    goes on.\n\n    Second paragraph\n    here.") == (
+        "First line goes on.\n\nSecond paragraph here."
+    )
+    result = runner.invoke(cli.app, ["--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    # analyze's docstring breaks after "look far"; at 200 columns the sentence is one line.
+    assert any("which queries look far back, what they read" in line for line in result.output.splitlines())
+
+
 # ---------------------------------------------------------------- methods
 def test_methods_lists_every_registered_method():
     result = runner.invoke(cli.app, ["methods"], env=WIDE)

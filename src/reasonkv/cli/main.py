@@ -6,6 +6,7 @@ module only assembles them, in the order `reasonkv --help` lists them.
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated
 
 import typer
@@ -45,17 +46,31 @@ def _options(
     """Keep the KV cache of a reasoning LLM small while it writes a long chain of thought."""
 
 
-app.command("methods")(methods_command)
-app.command("generate")(generate_command)
-app.command("demo")(demo_command)
-app.command("profile")(profile_command)
-app.add_typer(plot_app, name="plot")
-app.command("replay")(replay_command)
-app.command("eval")(eval_command)
-app.command("sweep")(sweep_command)
-app.command("report")(report_command)
-app.command("analyze")(analyze_command)
-app.command("bench")(bench_command)
+def flowed_help(doc: str | None) -> str | None:
+    """A docstring as help text: its paragraphs kept, the line breaks inside each joined, so
+    that the terminal wraps sentences instead of breaking them where the source did."""
+    if not doc:
+        return doc
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+COMMANDS = {
+    "methods": methods_command,
+    "generate": generate_command,
+    "demo": demo_command,
+    "profile": profile_command,
+    "replay": replay_command,
+    "eval": eval_command,
+    "sweep": sweep_command,
+    "report": report_command,
+    "analyze": analyze_command,
+    "bench": bench_command,
+}
+for name, command in COMMANDS.items():  # in the order `reasonkv --help` lists them
+    app.command(name, help=flowed_help(command.__doc__))(command)
+    if name == "profile":
+        app.add_typer(plot_app, name="plot")
 
 
 def main() -> None:  # pragma: no cover - `python -m reasonkv.cli.main`
