@@ -474,7 +474,7 @@ def test_eval_sweep_units_per_problem_and_seed_repeat_exactly(tmp_path) -> None:
         "methods": ["full", "streaming"],
         "budgets": [16],
         "seeds": [0, 1],
-        "settings": {"samples": 2, "max_new_tokens": 6, "loader": LOADER},
+        "settings": {"greedy": False, "samples": 2, "max_new_tokens": 6, "loader": LOADER},
         "datasets": [{"dataset": "probs.jsonl", "name": "probs"}],
     }
     grid = sw.parse_grid(data, tmp_path)
@@ -496,6 +496,17 @@ def test_eval_sweep_units_per_problem_and_seed_repeat_exactly(tmp_path) -> None:
         ("streaming@16", 2, 8, 2),
     ]
     assert sections[0].rows[0]["mean_length"] == 6.0 and sections[0].rows[0]["truncation_rate"] == 1.0
+
+
+def test_eval_grids_decode_greedily_unless_told_to_sample(tmp_path) -> None:
+    (tmp_path / "probs.jsonl").write_text(json.dumps({"id": "p0", "problem": "1+1?", "answer": "2"}) + "\n")
+    base = {"kind": "eval", "models": ["tiny"], "methods": ["full"], "datasets": [{"dataset": "probs.jsonl"}]}
+    assert sw.parse_grid(base, tmp_path).datasets[0].settings["greedy"] is True  # as `reasonkv eval`
+    for over in ({"settings": {"samples": 2}}, {"seeds": [0, 1]}):
+        with pytest.raises(sw.GridError, match="greedy = false"):
+            sw.parse_grid({**base, **over}, tmp_path)
+    sampled = sw.parse_grid({**base, "seeds": [0, 1], "settings": {"greedy": False, "samples": 2}}, tmp_path)
+    assert sampled.datasets[0].settings["samples"] == 2
 
 
 # ----------------------------------------------------------------------- report
