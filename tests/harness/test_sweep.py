@@ -484,6 +484,9 @@ def test_eval_sweep_units_per_problem_and_seed_repeat_exactly(tmp_path) -> None:
     lines = lines_of(a)
     assert all(r["metrics"]["lengths"] == [6, 6] and r["metrics"]["truncated"] == [True, True] for r in lines)
     assert all(r["metrics"]["samples"] == 2 and len(r["metrics"]["outputs"]) == 2 for r in lines)
+    streaming = [r["metrics"]["compressions"] for r in lines if r["config"]["method"] == "streaming"]
+    full = [r["metrics"]["compressions"] for r in lines if r["config"]["method"] == "full"]
+    assert all(c == [0, 0] for c in full) and all(min(c) > 0 for c in streaming)  # budget 16 < prompt
     sw.run_sweep(grid, b)
     outputs = lambda p: {r["key"]: r["metrics"]["outputs"] for r in lines_of(p)}  # noqa: E731
     assert outputs(a) == outputs(b)  # sampled, yet each unit repeats exactly
