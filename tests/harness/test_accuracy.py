@@ -4,6 +4,7 @@ smoke run on the real default model (2 MATH-500 problems, full vs snapkv)."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +18,9 @@ from cli_helpers import CharTokenizer, errors_of, runner, tiny_llama
 from reasonkv.cli import evaluate as accuracy_cli
 from reasonkv.harness import accuracy as accuracy_module
 from reasonkv.harness import datasets as ds
-from reasonkv.harness.accuracy import INSTRUCTION, THINK_CLOSE, build_prompt, evaluate
+from reasonkv.harness.accuracy import INSTRUCTION, THINK_CLOSE, build_prompt, evaluate, sample_rows
+from reasonkv.harness.answers import FALLBACK_WARNING
+from reasonkv.harness.eval_stats import bootstrap_stderr
 
 SHARED_MATH = Path(__file__).resolve().parents[3] / "shared" / "data" / "math"
 EOS = 1
@@ -193,6 +196,12 @@ def test_metrics_are_exact_on_scripted_completions(scripted, batch_size: int) ->
     assert by_id["p2"]["predictions"] == [None, None]
     assert [r["pass@1"] for r in result["problems"]] == [0.5, 1.0, 0.0]
     assert result["pass@1"] == pytest.approx(3 / 6)
+    # Two samples: pass@2 (p0 and p1 have a correct one) and maj@2 (a tie goes to the first answer).
+    assert result["pass@2"] == pytest.approx(2 / 3) and result["maj@2"] == pytest.approx(2 / 3)
+    assert set(result["stderr"]) == {"pass@1", "pass@2", "maj@2"}
+    assert result["stderr"]["pass@2"] == pytest.approx(bootstrap_stderr([1.0, 1.0, 0.0]))
+    assert by_id["p0"]["compressions"] == [0, 0]  # the scripted generate never steps the cache
+    assert by_id["p0"]["prompt"] == build_prompt(tokenizer, "question p0")
 
     lengths = [
         len(r"so \boxed{2}") + 1,
@@ -252,6 +261,13 @@ def test_tiny_model_runs_report_lengths_kv_bytes_and_repeat_with_a_seed() -> Non
     assert sampled["peak_kv_bytes"] < full["peak_kv_bytes"]
     assert full["mean_live_kv_bytes"] < full["peak_live_kv_bytes"]  # it grows while decoding
     assert full["tokens_per_second"] > 0
+    # Each sample counts the compressions its cache made: the full cache none, SnapKV some.
+    assert [c for r in full["problems"] for c in r["compressions"]] == [0, 0]
+    assert all(c > 0 for r in sampled["problems"] for c in r["compressions"])
+    rows = sample_rows(sampled)
+    assert [(r["id"], r["sample"]) for r in rows] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    assert rows[3]["compressions"] == sampled["problems"][1]["compressions"][1]
+    assert rows[1]["output"] == sampled["problems"][0]["outputs"][1] and rows[1]["tokens_generated"] == 24
 
 
 def test_think_budget_closes_thinking_and_continues_on_the_same_cache() -> None:
@@ -325,6 +341,89 @@ def test_eval_command_prints_the_table_and_writes_json(eval_app, tmp_path) -> No
     assert saved["data_source"] == str(data) and saved["n_problems"] == 2 and saved["greedy"] is True
     assert [r["id"] for r in saved["problems"]] == ["p0", "p1"]
     assert saved["truncation_rate"] == 1.0 and saved["mean_length"] == 12
+
+
+def test_eval_is_greedy_by_default_and_writes_samples_and_a_reproducible_summary(eval_app, tmp_path) -> None:
+    app, _ = eval_app
+    data = write_jsonl(tmp_path / "p.jsonl", [problem("p0", "2"), problem("p1", "3")])
+    out = tmp_path / "r.json"
+    args = ["eval", "--dataset", str(data), "--method", "snapkv", "--budget", "16", "--set", "window=4"]
+    args += ["--set", "interval=8", "-n", "10", "--out", str(out)]
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, errors_of(result)
+    saved = json.loads(out.read_text())
+    assert saved["greedy"] is True and saved["temperature"] is None  # no --greedy needed
+    assert saved["kind"] == "eval" and saved["grader"] == "math-verify"
+    assert saved["config"] == {
+        "model": "smollm2-135m",
+        "dataset": str(data),
+        "data_source": str(data),
+        "data_dir": None,
+        "limit": None,
+        "ids": None,
+        "method": "snapkv",
+        "budget": 16,
+        "knobs": {"window": 4, "interval": 8},
+        "samples": 1,
+        "greedy": True,
+        "temperature": None,
+        "top_p": None,
+        "seed": 0,
+        "max_new_tokens": 10,
+        "think_budget": None,
+        "batch_size": 1,
+        "attn": "sdpa",
+        "hub": True,
+    }
+    assert {"torch", "transformers", "reasonkv"} <= set(saved["versions"])
+    assert saved["versions"]["torch"] == torch.__version__
+    assert saved["git"] is None or len(saved["git"]["commit"]) == 40
+    assert saved["command"].startswith("reasonkv eval --dataset") and "--sample " not in saved["command"]
+    samples = tmp_path / "r.samples.jsonl"
+    assert saved["samples_file"] == str(samples)
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert [(r["id"], r["sample"]) for r in rows] == [("p0", 0), ("p1", 0)]
+    assert set(rows[0]) == {
+        "id", "sample", "prompt", "output", "extracted_answer", "gold_answer", "correct",
+        "tokens_generated", "truncated", "compressions",
+    }  # fmt: skip
+    assert rows[0]["gold_answer"] == "2" and rows[0]["tokens_generated"] == 10 and rows[0]["truncated"]
+    assert rows[0]["output"] == saved["problems"][0]["outputs"][0] and "question p0" in rows[0]["prompt"]
+    assert rows[0]["compressions"] > 0  # a 16-token budget under a longer prompt
+    assert "pass@2" not in result.output and "pass@1" in result.output
+
+
+def test_eval_samples_show_pass_at_k_and_maj_at_k_with_stderr(eval_app, tmp_path) -> None:
+    app, _ = eval_app
+    data = write_jsonl(tmp_path / "p.jsonl", [problem("p0", "2"), problem("p1", "3")])
+    where = tmp_path / "elsewhere" / "s.jsonl"
+    args = ["eval", "--dataset", str(data), "--method", "full", "--sample", "--samples", "4", "-n", "6"]
+    args += ["--samples-out", str(where)]
+    result = runner.invoke(app, args, env={"COLUMNS": "250"})
+    assert result.exit_code == 0, errors_of(result)
+    for column in ("pass@1", "pass@2", "pass@4", "maj@2", "maj@4", "±0.000"):
+        assert column in result.output
+    assert "pass@8" not in result.output and "maj@1" not in result.output
+    rows = [json.loads(line) for line in where.read_text().splitlines()]
+    assert len(rows) == 8 and [r["sample"] for r in rows[:4]] == [0, 1, 2, 3]
+    assert all(r["compressions"] == 0 for r in rows)  # the full cache never compresses
+    sampled = runner.invoke(app, ["eval", "--dataset", str(data), "--greedy", "--samples", "2"])
+    assert sampled.exit_code == 2 and "--sample" in errors_of(sampled)
+
+
+def test_eval_warns_once_when_math_verify_is_missing(eval_app, tmp_path, monkeypatch) -> None:
+    app, _ = eval_app
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if the eval extra were not installed
+    data = write_jsonl(tmp_path / "p.jsonl", [problem(f"p{i}", "2") for i in range(3)])
+    out = tmp_path / "r.json"
+    result = runner.invoke(app, ["eval", "--dataset", str(data), "-n", "4", "--out", str(out)])
+    assert result.exit_code == 0, errors_of(result)
+    assert result.stderr.count("math-verify is not installed") == 1
+    assert FALLBACK_WARNING.split(":")[0] in result.stderr
+    assert json.loads(out.read_text())["grader"] == "string-match"
+    monkeypatch.delitem(sys.modules, "math_verify")
+    quiet = runner.invoke(app, ["eval", "--dataset", str(data), "-n", "4"])
+    assert "math-verify is not installed" not in quiet.stderr
 
 
 @pytest.mark.parametrize(

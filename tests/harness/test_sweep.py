@@ -474,7 +474,7 @@ def test_eval_sweep_units_per_problem_and_seed_repeat_exactly(tmp_path) -> None:
         "methods": ["full", "streaming"],
         "budgets": [16],
         "seeds": [0, 1],
-        "settings": {"samples": 2, "max_new_tokens": 6, "loader": LOADER},
+        "settings": {"greedy": False, "samples": 2, "max_new_tokens": 6, "loader": LOADER},
         "datasets": [{"dataset": "probs.jsonl", "name": "probs"}],
     }
     grid = sw.parse_grid(data, tmp_path)
@@ -484,6 +484,9 @@ def test_eval_sweep_units_per_problem_and_seed_repeat_exactly(tmp_path) -> None:
     lines = lines_of(a)
     assert all(r["metrics"]["lengths"] == [6, 6] and r["metrics"]["truncated"] == [True, True] for r in lines)
     assert all(r["metrics"]["samples"] == 2 and len(r["metrics"]["outputs"]) == 2 for r in lines)
+    streaming = [r["metrics"]["compressions"] for r in lines if r["config"]["method"] == "streaming"]
+    full = [r["metrics"]["compressions"] for r in lines if r["config"]["method"] == "full"]
+    assert all(c == [0, 0] for c in full) and all(min(c) > 0 for c in streaming)  # budget 16 < prompt
     sw.run_sweep(grid, b)
     outputs = lambda p: {r["key"]: r["metrics"]["outputs"] for r in lines_of(p)}  # noqa: E731
     assert outputs(a) == outputs(b)  # sampled, yet each unit repeats exactly
@@ -496,6 +499,17 @@ def test_eval_sweep_units_per_problem_and_seed_repeat_exactly(tmp_path) -> None:
         ("streaming@16", 2, 8, 2),
     ]
     assert sections[0].rows[0]["mean_length"] == 6.0 and sections[0].rows[0]["truncation_rate"] == 1.0
+
+
+def test_eval_grids_decode_greedily_unless_told_to_sample(tmp_path) -> None:
+    (tmp_path / "probs.jsonl").write_text(json.dumps({"id": "p0", "problem": "1+1?", "answer": "2"}) + "\n")
+    base = {"kind": "eval", "models": ["tiny"], "methods": ["full"], "datasets": [{"dataset": "probs.jsonl"}]}
+    assert sw.parse_grid(base, tmp_path).datasets[0].settings["greedy"] is True  # as `reasonkv eval`
+    for over in ({"settings": {"samples": 2}}, {"seeds": [0, 1]}):
+        with pytest.raises(sw.GridError, match="greedy = false"):
+            sw.parse_grid({**base, **over}, tmp_path)
+    sampled = sw.parse_grid({**base, "seeds": [0, 1], "settings": {"greedy": False, "samples": 2}}, tmp_path)
+    assert sampled.datasets[0].settings["samples"] == 2
 
 
 # ----------------------------------------------------------------------- report

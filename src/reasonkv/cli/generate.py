@@ -119,7 +119,12 @@ def generate_command(
     budget: BudgetOption = 128,
     model_name: ModelOption = DEFAULT_MODEL,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 256,
-    sample: Annotated[bool, typer.Option("--sample/--greedy", help="Sample, or decode greedily.")] = False,
+    sample: Annotated[
+        bool,
+        typer.Option(
+            "--sample/--greedy", help="Sample with --temperature and --top-p. Default: greedy decoding."
+        ),
+    ] = False,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (with --sample).")] = 0.6,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (with --sample).")] = 0.95,
     seed: Annotated[int | None, typer.Option(help="Seed torch's RNG (sampling).")] = None,
@@ -192,7 +197,8 @@ def demo_command(
     budget: Annotated[int, typer.Option("--budget", "-b")] = 128,
     max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", "-n")] = None,
 ) -> None:
-    """Full cache vs SnapKV vs StreamingLLM on one math problem: tokens, speed, memory, divergence."""
+    """Full cache vs SnapKV vs StreamingLLM on one math problem: tokens, speed, memory, divergence
+    (greedy decoding, so the runs differ only by their caches)."""
     kwargs = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
     try:
         run_demo(model=model_name, budget=budget, **kwargs)

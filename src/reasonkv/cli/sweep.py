@@ -162,17 +162,27 @@ def _plan_line(p: SweepPlan, out: Path) -> str:
 
 
 def report_command(
-    results: Annotated[list[Path], typer.Argument(help="Results JSONL file(s) written by `reasonkv sweep`.")],
+    results: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Results: sweep JSONL, `reasonkv replay --out` JSON or `reasonkv eval --out` JSON files "
+            "(the kind is read from the content; mix them freely)."
+        ),
+    ],
     out_dir: Annotated[
         Path | None,
         typer.Option("--out", "-o", help="Folder for report.md and the plots (default: RESULTS-report/)."),
     ] = None,
 ) -> None:
-    """Tables (method × budget) and plots (fidelity or accuracy vs budget) of a sweep's results."""
+    """Tables (method × budget) and plots (fidelity or accuracy vs budget) of sweep, replay and
+    eval results."""
     missing = [str(p) for p in results if not p.is_file()]
     if missing:
         fail(f"no results file at {', '.join(missing)}")
-    records, unreadable = load_records(results)
+    try:
+        records, unreadable = load_records(results)
+    except ValueError as err:
+        fail(str(err))
     if not records:
         fail(f"no results in {', '.join(map(str, results))}")
     try:

@@ -2,7 +2,8 @@
 
 Each problem becomes a chat-templated user turn ending with INSTRUCTION. Every generate call
 gets a fresh reasonkv cache (make_cache), so batch rows and samples never share KV state.
-Reported beside pass@1: mean generated length and truncation rate (a method that makes
+Reported beside pass@1 (and pass@k, maj@k for n samples, each with a bootstrap standard
+error: eval_stats): mean generated length and truncation rate (a method that makes
 the model ramble until the cap looks "accurate-but-long" otherwise), generated tokens per
 second of generate() wall time (prefill included), and the KV bytes per sequence sampled
 after every decoding step: K/V storage (peak, mean) and the bytes of live tokens (peak, mean).
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from reasonkv.harness.answers import extract_boxed, is_correct
+from reasonkv.harness.answers import extract_boxed, grader, is_correct
+from reasonkv.harness.eval_stats import aggregate
 from reasonkv.methods.api import GREEDY, make_cache
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -122,6 +124,18 @@ def _think_then_answer(
     return Completion(first.tokens + tail + rest.tokens, rest.finished)
 
 
+def _row_compressions(cache, rows: int) -> list[int | None]:
+    """Compressions each batch row took part in, summed over the layers (None when the cache
+    cannot tell)."""
+    counts = getattr(cache, "row_compressions", None)
+    if counts is None:
+        return [None] * rows
+    got = [int(c) for c in counts().tolist()]
+    if not got:  # no layer has run a step with rows yet: nothing compressed
+        return [0] * rows
+    return got if len(got) == rows else [None] * rows
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -146,7 +160,9 @@ def evaluate(
     """Generate n_samples completions per problem (rows of id, problem, answer) under `method`
     at `budget` and score them.
 
-    pass@1 is the mean correctness over every sample of every problem. Sampling (T, top-p)
+    pass@1 is the mean correctness over every sample of every problem; with n_samples > 1,
+    pass@k and maj@k too (eval_stats), and every aggregate has a bootstrap standard error
+    under "stderr". Each sample records the compressions its cache made. Sampling (T, top-p)
     is seeded per generate call from `seed` and the call's first unit, so a run repeats
     exactly for the same seed, problems and batch_size. think_budget (one sequence per call):
     cap the thinking part of a thinking model, see _think_then_answer; max_new_tokens stays
@@ -174,6 +190,7 @@ def evaluate(
 
     units = [(p, s) for p in range(len(problems)) for s in range(n_samples)]
     completions: dict[tuple[int, int], Completion] = {}
+    compressions: dict[tuple[int, int], int | None] = {}
     kv_samples: list[tuple[float, float]] = []
     gen_seconds = 0.0
     for start in range(0, len(units), batch_size):
@@ -205,6 +222,7 @@ def evaluate(
                 done = [_split_row(row, eos) for row in out[:, width:].tolist()]
         gen_seconds += time.perf_counter() - began
         completions.update(zip(batch, done, strict=True))
+        compressions.update(zip(batch, _row_compressions(cache, len(batch)), strict=True))
         if progress is not None:
             progress(start + len(batch), len(units), problems[batch[-1][0]]["id"])
 
@@ -217,6 +235,7 @@ def evaluate(
         per_problem.append(
             {
                 "id": row["id"],
+                "prompt": build_prompt(tokenizer, row["problem"]),
                 "answer": row["answer"],
                 "predictions": preds,
                 "correct": correct,
@@ -224,12 +243,14 @@ def evaluate(
                 "lengths": [len(c.tokens) for c in samples],
                 "truncated": [not c.finished for c in samples],
                 "outputs": texts,
+                "compressions": [compressions[(p, s)] for s in range(n_samples)],
             }
         )
     flat = lambda key: [v for r in per_problem for v in r[key]]  # noqa: E731
     n = max(len(units), 1)
     generated = sum(flat("lengths"))
     storage, live = [s for s, _ in kv_samples], [x for _, x in kv_samples]
+    stats = aggregate(per_problem, n_samples)
     return {
         "method": method,
         "budget": budget,
@@ -244,6 +265,9 @@ def evaluate(
         "seed": seed,
         "batch_size": batch_size,
         "pass@1": sum(flat("correct")) / n,
+        **{k: v for k, v in stats["scores"].items() if k != "pass@1"},
+        "stderr": stats["stderr"],
+        "grader": grader(),
         "mean_length": generated / n,
         "truncation_rate": sum(flat("truncated")) / n,
         "generated_tokens": generated,
@@ -256,3 +280,28 @@ def evaluate(
         "mean_live_kv_bytes": _mean(live),
         "problems": per_problem,
     }
+
+
+def sample_rows(result: dict) -> list[dict]:
+    """One row per generated sample of an `evaluate` result, in problem then sample order: the
+    problem id, sample index, prompt, output text, extracted and gold answers, whether it was
+    judged correct, tokens generated, whether max_new_tokens cut it, and the compressions its
+    cache made (summed over layers; None when the cache could not tell)."""
+    rows = []
+    for problem in result["problems"]:
+        for s, output in enumerate(problem["outputs"]):
+            rows.append(
+                {
+                    "id": problem["id"],
+                    "sample": s,
+                    "prompt": problem.get("prompt"),
+                    "output": output,
+                    "extracted_answer": problem["predictions"][s],
+                    "gold_answer": problem["answer"],
+                    "correct": problem["correct"][s],
+                    "tokens_generated": problem["lengths"][s],
+                    "truncated": problem["truncated"][s],
+                    "compressions": problem.get("compressions", [None] * len(problem["outputs"]))[s],
+                }
+            )
+    return rows

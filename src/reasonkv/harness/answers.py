@@ -7,6 +7,7 @@ comparison runs first (cheap) and stands in when math-verify is missing or fails
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
 import threading
@@ -85,6 +86,20 @@ def normalise(answer: str) -> str:
         s = s.replace(old, new)
     s = re.sub(r"\s+", "", s).rstrip(".")
     return _THOUSANDS.sub("", s).lower()
+
+
+MATH_VERIFY = "math-verify"
+STRING_MATCH = "string-match"
+FALLBACK_WARNING = (
+    "math-verify is not installed: answers are graded by normalised string match only "
+    "(\\frac{1}{2} and 0.5 count as different); install the `eval` extra for symbolic grading"
+)
+
+
+def grader() -> str:
+    """Which judge `is_correct` uses here: MATH_VERIFY when math-verify can be imported, else
+    STRING_MATCH (normalised strings only)."""
+    return MATH_VERIFY if importlib.util.find_spec("math_verify") is not None else STRING_MATCH
 
 
 def _math_verify(prediction: str, gold: str) -> bool | None:

@@ -1,4 +1,5 @@
-"""`reasonkv report`: a sweep's JSONL as method × budget tables, plots and a Markdown page.
+"""`reasonkv report`: a sweep's JSONL (or replay / eval --out JSON, see report_inputs) as
+method × budget tables, plots and a Markdown page.
 
 Each unit counts once: its first "ok" line, else its last error line (shown as an error,
 never in the numbers). Rows pool every unit of a (method, budget, knobs) within one
@@ -18,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reasonkv.harness.sweep.log import read_results
+from reasonkv.harness.report_inputs import read_any
 from reasonkv.util.formatting import format_bytes, format_or_dash
 from reasonkv.util.tables import fill_table
 
@@ -38,11 +39,12 @@ class Section:
 
 def load_records(paths: Iterable[str | Path]) -> tuple[list[dict], int]:
     """The line that counts for each unit over all files, in first-seen order, and the
-    number of unreadable lines."""
+    number of unreadable lines. A file may be a sweep JSONL or a replay or eval --out JSON
+    (report_inputs turns those into the same records)."""
     chosen: dict[str, dict] = {}
     unreadable = 0
     for path in paths:
-        records, bad = read_results(path)
+        records, bad = read_any(path)
         unreadable += bad
         for r in records:
             old = chosen.get(r["key"])

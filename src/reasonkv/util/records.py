@@ -20,6 +20,17 @@ def write_json_atomic(record: object, path: str | Path, *, indent: int | None = 
     return path
 
 
+def write_jsonl_atomic(rows: list[object], path: str | Path) -> Path:
+    """Write `rows` as JSON lines (one object per line, UTF-8 kept) through a temporary file,
+    like write_json_atomic."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
 def utc_timestamp() -> str:
     """Now, as every saved record spells it: ISO 8601 in UTC, to the second."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds")

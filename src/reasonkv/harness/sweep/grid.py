@@ -37,7 +37,7 @@ EVAL_SETTINGS: dict[str, Any] = {
     "limit": None,
     "ids": None,
     "samples": 1,
-    "greedy": False,
+    "greedy": True,  # as `reasonkv eval`: sampling (samples > 1, several seeds) needs greedy = false
     "temperature": 0.6,
     "top_p": 0.95,
     "max_new_tokens": 512,
@@ -176,9 +176,14 @@ def parse_grid(data: dict, base_dir: str | Path = ".", path: Path | None = None)
             settings["data_dir"] = str(base / settings["data_dir"])
         if kind == "eval" and settings["greedy"]:
             if settings["samples"] > 1:
-                raise GridError(f"{where}: greedy decoding gives one completion: use samples = 1")
+                raise GridError(
+                    f"{where}: greedy decoding (the default) gives one completion: use samples = 1, "
+                    "or set greedy = false to sample"
+                )
             if len(seeds) > 1:
-                raise GridError("greedy decoding ignores the seed: give one seed")
+                raise GridError(
+                    "greedy decoding (the default) ignores the seed: give one seed, or set greedy = false"
+                )
         if kind == "eval" and settings["think_budget"] is not None:
             if settings["think_budget"] >= settings["max_new_tokens"]:
                 raise GridError(f"{where}: think_budget must be below max_new_tokens")

@@ -182,6 +182,7 @@ def eval_task(model, tokenizer, task: Task) -> list[dict]:
             lengths=problem["lengths"],
             truncated=problem["truncated"],
             outputs=problem["outputs"],
+            compressions=problem["compressions"],
         )
         timings = {"seconds": time.perf_counter() - start, "generate_seconds": result["generate_seconds"]}
         records.append(
