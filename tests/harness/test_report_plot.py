@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 
+from reasonkv.harness.replay_plot import default_title, merge_short_tail, plot_fidelity
 from reasonkv.harness.report import Section, summarize_results, write_report
 from reasonkv.harness.report_plot import (
     METHOD_STYLES,
@@ -119,3 +120,34 @@ def test_eval_accuracy_axis_is_clamped_with_n_and_intervals() -> None:
     assert "2 samples × 3 problems" in caption and "Wilson" in caption
     assert len(ax_acc.containers) == 1  # the error bars of snapkv
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------- replay --plot
+def _bin(start, end, n, kl, top1):
+    return {"start": start, "end": end, "positions": n, "mean_kl": kl, "top1": top1}
+
+
+def test_a_short_last_bin_is_merged_into_the_one_before() -> None:
+    curve = [_bin(0, 256, 1000, 0.1, 0.9), _bin(256, 512, 1000, 0.2, 0.8), _bin(512, 533, 21, 0.0, 1.0)]
+    merged = merge_short_tail(curve)
+    assert [(c["start"], c["end"], c["positions"]) for c in merged] == [(0, 256, 1000), (256, 533, 1021)]
+    assert merged[-1]["mean_kl"] == pytest.approx(0.2 * 1000 / 1021)
+    assert merged[-1]["top1"] == pytest.approx((0.8 * 1000 + 21) / 1021)
+    full_tail = curve[:2] + [_bin(512, 768, 600, 0.3, 0.7)]
+    assert merge_short_tail(full_tail) == full_tail  # half a bin or more stays its own bin
+    assert merge_short_tail([_bin(0, 5, 0, None, None), _bin(5, 9, 3, 0.1, 0.9)]) == [_bin(5, 9, 3, 0.1, 0.9)]
+
+
+def test_replay_plot_names_model_traces_and_positions(tmp_path) -> None:
+    curve = [_bin(0, 256, 1000, 0.1, 0.9), _bin(256, 300, 10, 0.0, 1.0)]
+    rows = [
+        {"method": m, "budget": b, "label": f"{m}@{b}", "traces": 3, "positions": 1010, "curve": curve}
+        for m in ("snapkv", "beaconkv")
+        for b in (64, 128)
+    ]
+    title = default_title(rows, "smollm2-135m")
+    assert "smollm2-135m" in title and "3 traces" in title and "1,010 positions" in title
+    assert model_note("smollm2-135m") in title
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plot_fidelity(rows, tmp_path / "f.png", model="smollm2-135m").stat().st_size > 1000

@@ -269,7 +269,14 @@ def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[floa
 def _eval_figure(plt, by_name, style, section) -> tuple:
     fig, (ax_acc, ax_len) = plt.subplots(1, 2, figsize=(12.5, 4.8))
     budgets = []
+    compressing = [n for n, rows in by_name.items() if any(r["budget"] is not None for r in rows)]
     for name, rows in by_name.items():
+        # Side by side at each budget, so that the error bars of one budget do not cover each other.
+        dodge = (
+            2 ** (0.025 * (compressing.index(name) - (len(compressing) - 1) / 2))
+            if name in compressing
+            else 1
+        )
         pts = sorted(
             (r["budget"], r["pass@1"], r["samples"])
             for r in rows
@@ -279,7 +286,7 @@ def _eval_figure(plt, by_name, style, section) -> tuple:
             budgets += [b for b, _, _ in pts]
             lo_hi = [wilson_interval(p * n, n) for _, p, n in pts]
             ax_acc.errorbar(
-                [b for b, _, _ in pts],
+                [b * dodge for b, _, _ in pts],
                 [p for _, p, _ in pts],
                 yerr=[
                     [p - lo for (_, p, _), (lo, _) in zip(pts, lo_hi, strict=True)],
