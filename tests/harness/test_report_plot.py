@@ -18,6 +18,7 @@ from reasonkv.harness.report_plot import (
     model_note,
     wilson_interval,
 )
+from reasonkv.harness.runs import column_edges, plot_head_budgets
 from reasonkv.methods.registry import METHODS
 from reasonkv.util.plotting import pyplot
 
@@ -151,3 +152,23 @@ def test_replay_plot_names_model_traces_and_positions(tmp_path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert plot_fidelity(rows, tmp_path / "f.png", model="smollm2-135m").stat().st_size > 1000
+
+
+# ----------------------------------------------------------------------- plot budgets
+def test_budget_columns_sit_at_their_steps_and_one_event_layers_draw(tmp_path) -> None:
+    assert column_edges([100, 150, 250], 40) == [75, 125, 200, 300]  # each column centred on its step
+    assert column_edges([200], 40) == [180, 220]  # one compression: a column of the given width
+    record = {
+        "method": "snapkv",
+        "budget": 4,
+        "events": [
+            {"layer": 0, "seen": 100, "lengths": [4, 4]},
+            {"layer": 0, "seen": 150, "lengths": [3, 5]},
+            {"layer": 0, "seen": 250, "lengths": [2, 6]},
+            {"layer": 1, "seen": 200, "lengths": [4, 4]},  # drew an empty panel and warned before
+        ],
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "identical low and high xlims" among them
+        assert plot_head_budgets(record, tmp_path / "b.png").stat().st_size > 1000
+        assert plot_head_budgets(record, tmp_path / "one.png", layers=[1]).stat().st_size > 1000
