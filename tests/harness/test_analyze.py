@@ -374,3 +374,31 @@ def test_analyze_command_errors_before_loading(loader, tmp_path) -> None:
     assert loader == []
     late = runner.invoke(analyze_app(), [*base, "--layers", "7", "--methods", "none"])
     assert late.exit_code == 2 and "layers 0..1" in late.output
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte, as byte-level BPE splits a rare character: decoding a cut
+    character gives U+FFFD."""
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_highlighted_tokens_keep_multi_byte_characters_whole() -> None:
+    from reasonkv.harness.analyze.report import _snippet
+
+    text = "x = t\u2265 0 \U0001f600 ok"
+    ids = list(text.encode())
+    for pos in range(len(ids)):
+        s = _snippet(ByteTokenizer(), ids, pos, 3, 3)
+        shown = s["left"] + s["token"] + s["right"]
+        assert "\ufffd" not in shown and shown in text, (pos, s)
+    ge = text.encode().index("\u2265".encode())
+    for pos in range(ge, ge + 3):  # any of the three bytes of ≥ highlights the whole character
+        assert _snippet(ByteTokenizer(), ids, pos, 3, 3)["token"] == "\u2265"
+    assert _snippet(ByteTokenizer(), ids, ge - 1, 3, 3) == {
+        "pos": ge - 1,
+        "left": "= ",
+        "token": "t",
+        "right": "\u2265",
+    }
