@@ -237,6 +237,7 @@ def render_html(
                     "layer": li,
                     "head": h,
                     "share": 100 * float(summary["global_share"][li][h]),
+                    "persistent": int(analysis.persistent[li, h].sum()),
                     "examples": examples[(li, h)],
                     "beacons": beacons[f"{li}:{h}"],
                 }
