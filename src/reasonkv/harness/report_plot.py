@@ -364,7 +364,8 @@ def plot_section(section, path: str | Path) -> tuple[Path, str]:
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    rank = {n: 2 if n in by_name and is_ours(by_name[n][0]["method"]) else 1 for n in labels}
+    # The reference first, then others' methods, then ours.
+    rank = {n: 0 if n not in by_name else 2 if is_ours(by_name[n][0]["method"]) else 1 for n in labels}
     order = sorted(range(len(labels)), key=lambda i: rank.get(labels[i], 0))
     handles, labels = [handles[i] for i in order], [labels[i] for i in order]
     legend_rows = math.ceil(len(labels) / LEGEND_COLUMNS)
