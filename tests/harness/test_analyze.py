@@ -328,11 +328,12 @@ def loader(monkeypatch):
     torch.set_num_threads(threads)
 
 
-def test_analyze_command_writes_an_offline_report(loader, tmp_path) -> None:
+def test_analyze_command_writes_an_offline_report(loader, tmp_path, monkeypatch) -> None:
     traces, out = tmp_path / "t.jsonl", tmp_path / "report"
     other = {**TRACE_ROW, "id": "wp-0", "trace": "No."}
     traces.write_text(json.dumps(other) + "\n" + json.dumps(TRACE_ROW) + "\n")
-    args = ["analyze", "--traces", str(traces), "--id", "wp-1", "--model", "tiny", "--out", str(out)]
+    monkeypatch.chdir(tmp_path)  # relative paths in, absolute ones in the echoed command
+    args = ["analyze", "--traces", "t.jsonl", "--id", "wp-1", "--model", "tiny", "--out", "report"]
     args += ["--max-tokens", "150", "--methods", "full,snapkv", "--budget", "24", "--set", "interval=8"]
     args += ["--layers", "1", "--window", "48"]
     result = runner.invoke(analyze_app(), args, env={"COLUMNS": "200"})
@@ -351,6 +352,11 @@ def test_analyze_command_writes_an_offline_report(loader, tmp_path) -> None:
     assert "http" not in page and "<script" not in page  # offline: nothing fetched
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trace"] == "wp-1" and summary["layers"] == [1]
+    assert (
+        f"--traces {traces.resolve()}" in summary["command"]
+        and f"--out {out.resolve()}" in summary["command"]
+    )
+    assert "grey ticks" not in page and ("persistent key" in page or "no persistent keys" in page)
     assert summary["rule"]["distance"] == max(16, summary["tokens"] // 8)
     labels = [m["label"] for m in summary["methods"]]
     assert labels == ["full", "snapkv@24"]
@@ -374,3 +380,31 @@ def test_analyze_command_errors_before_loading(loader, tmp_path) -> None:
     assert loader == []
     late = runner.invoke(analyze_app(), [*base, "--layers", "7", "--methods", "none"])
     assert late.exit_code == 2 and "layers 0..1" in late.output
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte, as byte-level BPE splits a rare character: decoding a cut
+    character gives U+FFFD."""
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_highlighted_tokens_keep_multi_byte_characters_whole() -> None:
+    from reasonkv.harness.analyze.report import _snippet
+
+    text = "x = t\u2265 0 \U0001f600 ok"
+    ids = list(text.encode())
+    for pos in range(len(ids)):
+        s = _snippet(ByteTokenizer(), ids, pos, 3, 3)
+        shown = s["left"] + s["token"] + s["right"]
+        assert "\ufffd" not in shown and shown in text, (pos, s)
+    ge = text.encode().index("\u2265".encode())
+    for pos in range(ge, ge + 3):  # any of the three bytes of ≥ highlights the whole character
+        assert _snippet(ByteTokenizer(), ids, pos, 3, 3)["token"] == "\u2265"
+    assert _snippet(ByteTokenizer(), ids, ge - 1, 3, 3) == {
+        "pos": ge - 1,
+        "left": " = ",
+        "token": "t",
+        "right": "\u2265",
+    }

@@ -21,7 +21,7 @@ from cli_helpers import CharTokenizer, errors_of, runner, tiny_llama
 from reasonkv.cli import sweep as sweep_cli
 from reasonkv.harness import replay as replay_mod
 from reasonkv.harness import sweep as sw
-from reasonkv.harness.report import load_records, markdown_table, method_styles, rich_table, summarize_results
+from reasonkv.harness.report import load_records, markdown_table, rich_table, summarize_results
 
 HERE = Path(__file__).resolve().parent  # this module: the sweep loader below
 TESTS = HERE.parent  # the tests folder: conftest and the helper modules
@@ -630,15 +630,6 @@ def test_report_table_never_cuts_a_number_in_a_narrow_terminal() -> None:
     wide.print(rich_table(section, width=200))
     wide_text = wide.export_text()
     assert "left out" not in wide_text and "ppl ratio" in wide_text
-
-
-def test_report_plot_styles_tell_thirteen_methods_apart() -> None:
-    """The publish sweep has 13 methods and matplotlib 10 colours: no two lines may look alike."""
-    names = [f"method-{i}" for i in range(13)]
-    styles = method_styles(names)
-    looks = {(s["color"], s["ls"], s["marker"]) for s in styles.values()}
-    assert len(looks) == 13
-    assert styles == method_styles(names)  # the same style for a method in every panel
 
 
 # -------------------------------------------------------------------------- CLI

@@ -152,7 +152,18 @@ def analyze_command(
             runs=runs,
             progress=lambda stage, k: progress.update(task, advance=k, description=f"{stage} {row['id']}"),
         )
-    parts = ["--traces", traces, "--out", out, "--id", row["id"], "--model", model_name]
+    # Absolute paths: the command in the report reruns from any folder.
+    model_arg = Path(model_name).resolve() if Path(model_name).exists() else model_name
+    parts = [
+        "--traces",
+        Path(traces).resolve(),
+        "--out",
+        out.resolve(),
+        "--id",
+        row["id"],
+        "--model",
+        model_arg,
+    ]
     parts += ["--max-tokens", max_tokens, "--methods", methods, "--budget", budget]
     parts += ["--distance", rule.distance, "--fraction", fraction, "--top-k", top_k, "--n-sink", n_sink]
     parts += [

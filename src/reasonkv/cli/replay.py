@@ -192,4 +192,4 @@ def replay_command(
     )
     console.print(f"[dim]{wall:.1f} s wall; results -> {escape(str(out))}[/dim]", soft_wrap=True)
     if plot is not None:
-        console.print(f"fidelity plot -> {escape(str(plot_fidelity(summary, plot)))}")
+        console.print(f"fidelity plot -> {escape(str(plot_fidelity(summary, plot, model=model_name)))}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reasonkv.harness.report_inputs import read_any
+from reasonkv.harness.report_plot import model_note, plot_section
 from reasonkv.util.formatting import format_bytes, format_or_dash
 from reasonkv.util.tables import fill_table
 
@@ -255,94 +256,6 @@ def markdown_table(section: Section) -> str:
 
 
 # ----------------------------------------------------------------------- plots
-LEGEND_COLUMNS = 7
-_LINE_STYLES = ("-", "--", "-.", ":")
-_MARKERS = ("o", "s", "D", "^")
-
-
-def method_styles(names: list[str]) -> dict[str, dict]:
-    """A line style per method, the same in every panel: matplotlib's ten colours, then the
-    same colours again with another dash pattern and marker (a sweep has more than ten)."""
-    return {
-        name: {"color": f"C{i % 10}", "ls": _LINE_STYLES[i // 10 % 4], "marker": _MARKERS[i // 10 % 4]}
-        for i, name in enumerate(names)
-    }
-
-
-def _method_lines(ax, by_method: dict, style: dict, x_of, y_key: str) -> None:
-    """One line per method through its (x, y) points; a method with one point is a marker."""
-    for name, rows in by_method.items():
-        points = sorted((x_of(r), r[y_key]) for r in rows if x_of(r) is not None and r[y_key] is not None)
-        if points:
-            ax.plot([x for x, _ in points], [y for _, y in points], ms=4, label=name, **style[name])
-
-
-def plot_section(section: Section, path: str | Path) -> Path:
-    """Replay: mean KL and top-1 against the peak K/V bytes per sequence (what decides how many
-    sequences fit; budget when the records predate peak bytes), and mean KL against the mean
-    live tokens per head. The full cache (KL 0) is a vertical line at its peak. Eval: pass@1
-    and mean length against the budget."""
-    from reasonkv.util.plotting import pyplot, save_figure
-
-    plt = pyplot()
-    by_method: dict[str, list[dict]] = {}
-    for row in section.rows:
-        if row["units"] > row["errors"]:
-            by_method.setdefault(row["name"], []).append(row)
-    style = method_styles(list(by_method))
-    legend_inches = 0.25 * math.ceil(len(by_method) / LEGEND_COLUMNS) + 0.15
-    height = 4 + legend_inches
-    if section.kind == "replay":
-        compressing = [r for rows in by_method.values() for r in rows if r["budget"] is not None]
-        by_peak = bool(compressing) and all(r.get("peak_kv_bytes") is not None for r in compressing)
-        x_of = (lambda r: r["peak_kv_bytes"] / 2**20) if by_peak else (lambda r: r["budget"])
-        x_label = (
-            "peak K/V storage per sequence while decoding [MiB]" if by_peak else "budget (KV tokens per head)"
-        )
-        panels = [
-            (x_of, x_label, "mean_kl", "mean KL(full ‖ method) [nats]"),
-            (x_of, x_label, "top1", "top-1 agreement with full"),
-            (
-                lambda r: r["live_tokens"],
-                "live KV tokens per head (mean over positions)",
-                "mean_kl",
-                "mean KL",
-            ),
-        ]
-    else:
-        budget = lambda r: r["budget"]  # noqa: E731
-        panels = [
-            (budget, "budget (KV tokens per head)", "pass@1", "pass@1"),
-            (budget, "budget (KV tokens per head)", "mean_length", "mean generated length [tokens]"),
-        ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), height))
-    for ax, (x, x_label, y_key, y_label) in zip(axes, panels, strict=True):
-        lines = {n: [r for r in rows if r["budget"] is not None] for n, rows in by_method.items()}
-        _method_lines(ax, {n: rows for n, rows in lines.items() if rows}, style, x, y_key)
-        for name, rows in by_method.items():  # the reference: never compresses
-            for r in rows:
-                if r["budget"] is None and r[y_key] is not None:
-                    if section.kind == "replay" and y_key == "mean_kl":
-                        if x(r) is not None:
-                            ax.axvline(x(r), ls="--", color="grey", lw=1, label=name)
-                    else:
-                        ax.axhline(r[y_key], ls="--", color="grey", lw=1, label=name)
-        ax.set_xscale("log", base=2)
-        if section.kind == "replay" and y_key == "mean_kl":
-            ax.set_yscale("log")  # KL spans decades; the full cache's 0 is the vertical line
-        ax.set_xlabel(x_label)
-        ax.set_ylabel(y_label)
-        ax.grid(alpha=0.3, which="both")
-    # One legend for all panels, below them: it then hides no line.
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(
-        handles, labels, loc="lower center", ncol=min(LEGEND_COLUMNS, len(labels)), fontsize=8, frameon=False
-    )
-    fig.suptitle(section.title)
-    fig.tight_layout(rect=(0, legend_inches / height, 1, 1))
-    return save_figure(fig, path, dpi=130)
-
-
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
 
@@ -362,18 +275,22 @@ def write_report(sections: list[Section], out_dir: str | Path, sources: list[str
     plots = []
     for section in sections:
         name = plot_name(section, sections)
-        plots.append(plot_section(section, out_dir / name))
+        plot, caption = plot_section(section, out_dir / name)
+        plots.append(plot)
         units = sum(r["units"] for r in section.rows)
         errors = sum(r["errors"] for r in section.rows)
         note = f"{units} units" + (f", {errors} failed (not in the numbers)" if errors else "")
         parts += [
             f"## {section.title}",
             "",
+            *([f"*{note_line}.*", ""] if (note_line := model_note(section.model)) else []),
             markdown_table(section),
             "",
             f"{note}.",
             "",
             f"![{section.title}]({name})",
+            "",
+            caption,
             "",
         ]
     md = out_dir / "report.md"

@@ -6,6 +6,7 @@ per head after it), which is what `reasonkv plot budgets` draws.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from reasonkv.core.cache import CompressedCache
@@ -54,8 +55,19 @@ def load_run(path: str | Path) -> dict:
     return record
 
 
+def column_edges(steps: list[int], width: float) -> list[float]:
+    """x edges of one column per compression, each centred on its step (tokens seen): columns
+    meet halfway between steps; the outer ones are as wide as their neighbour's gap, or `width`
+    for a layer that compressed once."""
+    if len(steps) == 1:
+        return [steps[0] - width / 2, steps[0] + width / 2]
+    mids = [(a + b) / 2 for a, b in zip(steps, steps[1:], strict=False)]
+    return [2 * steps[0] - mids[0], *mids, 2 * steps[-1] - mids[-1]]
+
+
 def plot_head_budgets(record: dict, path: str | Path, layers: list[int] | None = None) -> Path:
-    """Heatmaps of live tokens per KV head after each compression, one panel per layer."""
+    """Heatmaps of live tokens per KV head after each compression, one panel per layer, each
+    column at its compression step (tokens seen)."""
     import numpy as np
 
     from reasonkv.util.plotting import pyplot, save_figure
@@ -70,24 +82,25 @@ def plot_head_budgets(record: dict, path: str | Path, layers: list[int] | None =
     missing = sorted(set(layers) - set(all_layers))
     if missing:
         raise ValueError(f"no compression events for layer(s) {missing}; layers with events: {all_layers}")
+    steps_of = {layer: [e["seen"] for e in events if e["layer"] == layer] for layer in layers}
+    gaps = [b - a for steps in steps_of.values() for a, b in zip(steps, steps[1:], strict=False) if b > a]
+    width = float(np.median(gaps)) if gaps else max(1.0, 0.05 * max(e["seen"] for e in events))
     fig, axes = plt.subplots(len(layers), 1, figsize=(8, 1.2 + 1.1 * len(layers)), squeeze=False, sharex=True)
     vmax = max(max(e["lengths"]) for e in events)
+    lo, hi = math.inf, -math.inf
     for ax, layer in zip(axes[:, 0], layers, strict=True):
         mine = [e for e in events if e["layer"] == layer]
         grid = np.array([e["lengths"] for e in mine]).T  # [heads, events]
-        steps = [e["seen"] for e in mine]
-        im = ax.imshow(
-            grid,
-            aspect="auto",
-            interpolation="nearest",
-            vmin=0,
-            vmax=vmax,
-            cmap="viridis",
-            extent=(steps[0], steps[-1], grid.shape[0] - 0.5, -0.5),
+        x = column_edges(steps_of[layer], width)
+        lo, hi = min(lo, x[0]), max(hi, x[-1])
+        im = ax.pcolormesh(
+            x, np.arange(grid.shape[0] + 1) - 0.5, grid, vmin=0, vmax=vmax, cmap="viridis", shading="flat"
         )
+        ax.set_ylim(grid.shape[0] - 0.5, -0.5)
         ax.set_ylabel(f"L{layer}\nhead")
         ax.set_yticks(range(grid.shape[0]))
-    axes[-1, 0].set_xlabel("tokens seen at compression")
+    axes[-1, 0].set_xlim(lo, hi)
+    axes[-1, 0].set_xlabel("tokens seen at compression (each column centred on its step)")
     fig.colorbar(im, ax=axes[:, 0].tolist(), label="tokens kept per head")
     fig.suptitle(f"head budgets over decoding: {record.get('method')} (budget {record.get('budget', '?')})")
     return save_figure(fig, path, dpi=120, bbox_inches="tight")

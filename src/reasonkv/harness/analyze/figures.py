@@ -28,13 +28,14 @@ def plot_global_heatmap(
     plt = pyplot()
     n_layers, n_heads = share.shape
     fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * n_layers + 2), 1.0 + 0.45 * n_heads + 0.8))
-    im = ax.imshow(share.T.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=max(0.05, float(share.max())))
+    pct = 100 * share  # the cells and the colour bar both in %
+    im = ax.imshow(pct.T.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=max(5.0, float(pct.max())))
     if n_layers <= 48 and n_heads <= 16:
         for li in range(n_layers):
             for h in range(n_heads):
-                v = float(share[li, h])
-                color = "white" if v < 0.6 * float(share.max()) else "black"
-                ax.text(li, h, f"{100 * v:.0f}", ha="center", va="center", fontsize=6.5, color=color)
+                v = float(pct[li, h])
+                color = "white" if v < 0.6 * float(pct.max()) else "black"
+                ax.text(li, h, f"{v:.0f}", ha="center", va="center", fontsize=6.5, color=color)
     ax.set_xticks(range(n_layers))
     ax.set_xticklabels([str(i) for i in range(n_layers)], fontsize=7)
     for tick in ax.get_xticklabels():
@@ -44,7 +45,7 @@ def plot_global_heatmap(
     ax.set_yticks(range(n_heads))
     ax.set_xlabel("layer (drawn layers in red)")
     ax.set_ylabel("KV head")
-    fig.colorbar(im, ax=ax, label="share of global queries", fraction=0.03, pad=0.01)
+    fig.colorbar(im, ax=ax, label="global queries [% of eligible]", fraction=0.03, pad=0.01)
     ax.set_title(title or "global (thought-revisiting) queries per layer × KV head, % of eligible queries")
     fig.tight_layout()
     return save_figure(fig, path, dpi=DPI)
@@ -147,8 +148,8 @@ def plot_attention_map(
             keys.numpy(),
             [first - 0.5 - 0.02 * w] * keys.numel(),
             marker="v",
-            s=12,
-            color="grey",
+            s=28,
+            color="dimgrey",
             clip_on=False,
             label="persistent keys (excluded)",
         )

@@ -36,14 +36,32 @@ def decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.batch_decode([ids])[0]
 
 
+REPLACEMENT = "\ufffd"  # what a byte-level tokenizer decodes a cut multi-byte character to
+
+
 def _snippet(tokenizer, ids: list[int], pos: int, before: int, after: int) -> dict:
+    """The text before token `pos`, the token, and the text after it. Decoded as growing
+    prefixes of one window and split by difference, never token by token: a character that
+    spans several byte-level tokens (≥, an emoji) stays whole, in the highlight when any of its
+    bytes is the token's, and the window's ends move out to whole characters."""
     lo, hi = max(0, pos - before), min(len(ids), pos + 1 + after)
-    return {
-        "pos": pos,
-        "left": decode(tokenizer, ids[lo:pos]),
-        "token": decode(tokenizer, ids[pos : pos + 1]),
-        "right": decode(tokenizer, ids[pos + 1 : hi]),
-    }
+    reach = 4  # a UTF-8 character is at most 4 bytes
+    while (
+        lo > 0 and lo > pos - before - reach and decode(tokenizer, ids[lo : pos + 1]).startswith(REPLACEMENT)
+    ):
+        lo -= 1
+    end = pos + 1
+    while end < len(ids) and end < pos + 1 + reach and decode(tokenizer, ids[lo:end]).endswith(REPLACEMENT):
+        end += 1
+    hi = max(hi, min(len(ids), end + after))
+    while hi < len(ids) and hi < end + after + reach and decode(tokenizer, ids[lo:hi]).endswith(REPLACEMENT):
+        hi += 1
+    left = decode(tokenizer, ids[lo:pos]).rstrip(REPLACEMENT)  # the token's character began before it
+    upto = decode(tokenizer, ids[lo:end])
+    whole = decode(tokenizer, ids[lo:hi])
+    token = upto[len(left) :] if upto.startswith(left) else decode(tokenizer, ids[pos:end])
+    right = whole[len(upto) :] if whole.startswith(upto) else decode(tokenizer, ids[end:hi])
+    return {"pos": pos, "left": left, "token": token, "right": right}
 
 
 def revisit_examples(
@@ -219,6 +237,7 @@ def render_html(
                     "layer": li,
                     "head": h,
                     "share": 100 * float(summary["global_share"][li][h]),
+                    "persistent": int(analysis.persistent[li, h].sum()),
                     "examples": examples[(li, h)],
                     "beacons": beacons[f"{li}:{h}"],
                 }
