@@ -426,6 +426,20 @@ def test_eval_warns_once_when_math_verify_is_missing(eval_app, tmp_path, monkeyp
     assert "math-verify is not installed" not in quiet.stderr
 
 
+@pytest.mark.parametrize("columns", [80, 200])
+def test_eval_table_keeps_its_method_column_and_whole_numbers(eval_app, tmp_path, columns) -> None:
+    app, _ = eval_app
+    data = write_jsonl(tmp_path / "p.jsonl", [problem("p0", "2"), problem("p1", "3")])
+    args = ["eval", "--dataset", str(data), "--method", "reasonalloc-head-rkv", "--budget", "16"]
+    args += ["--sample", "--samples", "4", "-n", "6"]
+    result = runner.invoke(app, args, env={"COLUMNS": str(columns)})
+    assert result.exit_code == 0, errors_of(result)
+    table = result.output[result.output.index("method") :]
+    assert "…" not in table and max(len(line) for line in table.splitlines()) <= columns
+    assert "reasonalloc-" in table and "pass@1" in table and "truncated" in table
+    assert ("left out at 80 columns" in " ".join(table.split())) == (columns == 80)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
