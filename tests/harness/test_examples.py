@@ -42,3 +42,22 @@ def test_shipped_traces_keep_their_source_and_licence():
         row = json.loads(line)
         assert row["source_repo"] == "MingLiiii/MiP-Overthinking" and row["source_commit"]
         assert row["trace"] and row["problem"]
+
+
+@pytest.mark.model
+def test_the_smoke_example_grid_runs_from_the_clone(tmp_path):
+    """examples/sweep-replay.toml, as the README runs it, on the bundled model: every unit ok."""
+    from typer.testing import CliRunner
+
+    from reasonkv.cli.main import app
+
+    out, grid_file = tmp_path / "sweep-replay.jsonl", ROOT / "examples" / "sweep-replay.toml"
+    result = CliRunner().invoke(app, ["sweep", str(grid_file), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    grid = load_grid(grid_file)
+    assert len(records) == 2 * (1 + (len(grid.methods) - 1) * len(grid.budgets))
+    assert all(r["status"] == "ok" for r in records)
+    assert {r["config"]["item"] for r in records} <= {
+        json.loads(line)["id"] for line in (ROOT / "examples" / "data" / "mip-math500-12.jsonl").open()
+    }
