@@ -77,3 +77,18 @@ def test_the_kv_format_checks_itself() -> None:
     with pytest.raises(ValueError, match="divide the model's head dim"):
         KVFormat(kv_bits=4, group_size=32).check_head_dim(16)
     KVFormat(kv_bits=16, group_size=32).check_head_dim(16)  # not quantized: nothing to split
+
+
+def test_elements_left_out_do_not_widen_their_group() -> None:
+    x = torch.randn(1, 2, 16, 8)
+    x[:, :, 3] = 1000.0  # a padding slot
+    valid = torch.ones(1, 2, 16, 1, dtype=torch.bool)
+    valid[:, :, 3] = False
+    q = quantize(x, 4, 8, 2, valid=valid)
+    wide = quantize(x, 4, 8, 2)
+    assert float(q.scale[:, :, 0].max()) < float(wide.scale[:, :, 0].min())
+    err = (dequantize(q) - x).abs()
+    err[:, :, 3] = 0
+    assert bool((err <= _scale_per_element(q, x.shape) / 2 + 1e-6).all())
+    none = quantize(x, 4, 8, 2, valid=torch.zeros(1, 1, 16, 1, dtype=torch.bool))
+    assert torch.isfinite(dequantize(none)).all()

@@ -90,18 +90,33 @@ def _round_to(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
 
 
 def quantize(
-    x: torch.Tensor, bits: int, group_size: int, dim: int, store_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    dim: int,
+    store_dtype: torch.dtype | None = None,
+    valid: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize `x` in groups of `group_size` along `dim`; scales and zeros in `store_dtype`
-    (default: x's dtype). The last axis is packed, so it must hold a whole number of bytes."""
+    (default: x's dtype). The last axis is packed, so it must hold a whole number of bytes.
+    `valid` (bool, broadcastable to x) leaves elements out of their group's range: they are
+    stored too, clamped into it (padding and evicted slots, never read)."""
     check_bits(bits)
     dim = dim % x.dim()
     _check_group(x.shape[dim], group_size, f"axis {dim} of a {tuple(x.shape)} tensor")
     store_dtype = x.dtype if store_dtype is None else store_dtype
     levels = 2**bits - 1
     g = x.float().unflatten(dim, (x.shape[dim] // group_size, group_size))
-    zero = _round_to(g.amin(dim + 1, keepdim=True), store_dtype, up=False)
-    span = g.amax(dim + 1, keepdim=True) - zero.float()
+    if valid is None:
+        lo, hi = g.amin(dim + 1, keepdim=True), g.amax(dim + 1, keepdim=True)
+    else:
+        ok = valid.expand_as(x).unflatten(dim, g.shape[dim : dim + 2])
+        lo = g.masked_fill(~ok, float("inf")).amin(dim + 1, keepdim=True)
+        hi = g.masked_fill(~ok, float("-inf")).amax(dim + 1, keepdim=True)
+        empty = ~ok.any(dim + 1, keepdim=True)
+        lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    zero = _round_to(lo, store_dtype, up=False)
+    span = hi - zero.float()
     tiny = torch.finfo(store_dtype).tiny
     scale = _round_to((span / levels).clamp(min=tiny), store_dtype, up=True)
     codes = ((g - zero.float()) / scale.float()).round_().clamp_(0, levels).to(torch.uint8)
@@ -137,7 +152,7 @@ class KVFormat:
     """
 
     kv_bits: Literal[16, 8, 4, 2] = 16
-    group_size: int = knob(32, ge=1, le=1024)
+    group_size: int = knob(16, ge=1, le=1024)
     residual: int = tokens(128, minimum=0)
 
     def __post_init__(self) -> None:
