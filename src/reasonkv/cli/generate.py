@@ -29,6 +29,7 @@ from reasonkv.cli.common import (
 )
 from reasonkv.core.models import DEFAULT_MODEL, load_model
 from reasonkv.core.policy.knob import MAX_TOKENS
+from reasonkv.core.quantize import KVFormat
 from reasonkv.harness.demo import memory_summary, run_demo
 from reasonkv.harness.runs import record_all_events, run_record, save_run
 from reasonkv.methods.api import GREEDY, make_cache
@@ -50,7 +51,11 @@ def describe_schedule(spec: MethodSpec) -> str:
 
 
 def format_knobs(spec: MethodSpec) -> str:
-    return " ".join(f"{k}={v}" for k, v in spec.knobs().items())
+    """The method's knobs with their defaults; the storage knobs only where the method sets
+    them (every method has them, and at 16 bits they change nothing)."""
+    hidden = {f.name: f.default for f in dataclasses.fields(KVFormat)}
+    shown = {k: v for k, v in spec.knobs().items() if k not in hidden or spec.knobs()["kv_bits"] != 16}
+    return " ".join(f"{k}={v}" for k, v in shown.items())
 
 
 def _compact_rule(spec: MethodSpec, name: str) -> str:

@@ -22,6 +22,7 @@ from reasonkv.core.layer import GROWTH_CHUNK, CompressedLayer, another_sequence
 from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.contract import HeadAllocator, Scorer
 from reasonkv.core.policy.schedules import Schedule
+from reasonkv.core.quantize import KVFormat
 from reasonkv.core.timing import NO_TIMER, StepTimer
 
 __all__ = [
@@ -128,6 +129,8 @@ class LayerPolicy:
     """The model's RoPE inverse frequencies (rope scaling applied), for scorers that rotate
     queries to another position (BeaconKV)."""
     rope_attention_scaling: float = 1.0
+    kv_format: KVFormat | None = None
+    """How the layers store K/V (None or kv_bits 16: as the model computes them)."""
 
 
 FED_TAIL = 16
@@ -319,7 +322,7 @@ class CompressedCache(Cache):
         total_bytes (physical_bytes + event_bytes: the cache's whole footprint),
         live_tokens [layers, kv_heads] (per batch row, [B, L, H], when B > 1), seen_tokens."""
         events = self.event_log.nbytes()
-        layers = [layer for layer in self.layers if layer.is_initialized and layer.keys is not None]
+        layers = [layer for layer in self.layers if layer.is_initialized and layer.storage.allocated]
         if not layers:
             return {
                 "physical_bytes": 0,

@@ -25,6 +25,7 @@ from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.base import Observation
 from reasonkv.core.policy.contract import HeadAllocator, PolicyState, Scorer, SplitRequest
 from reasonkv.core.policy.selection import evict_one, protected_mask, select_tokens
+from reasonkv.core.quantized_storage import QuantizedKVStorage
 from reasonkv.core.query_window import QueryWindow
 from reasonkv.core.storage import KVStorage
 from reasonkv.core.timing import NO_TIMER, StepTimer
@@ -88,7 +89,7 @@ class _View:
     def shape(self) -> tuple[int, int, int, torch.device]:
         storage = self._layer.storage
         b, h = storage.lengths.shape
-        return b, h, storage.keys.shape[-1], storage.device
+        return b, h, storage.head_dim, storage.device
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -160,7 +161,11 @@ class CompressedLayer(CacheLayerMixin):
                 f"the model gives {h}; a cache belongs to the model it was made for"
             )
         self.device, self.dtype = key_states.device, key_states.dtype
-        self.storage = KVStorage(b, h, self.device, tuple(self.policy.scorer.state_names), self.meter)
+        names, fmt = tuple(self.policy.scorer.state_names), self.policy.kv_format
+        if fmt is not None and fmt.quantized:
+            self.storage = QuantizedKVStorage(b, h, self.device, fmt, names, self.meter)
+        else:
+            self.storage = KVStorage(b, h, self.device, names, self.meter)
         self.budgets = self.budgets.to(self.device)
         self.targets = torch.tensor(self.plan.targets, device=self.device)
         self.compressions = torch.zeros(b, dtype=torch.long, device=self.device)
@@ -240,7 +245,7 @@ class CompressedLayer(CacheLayerMixin):
         self.live_upper += q * storage.lengths.shape[1]
         self.new_start, self.seen = self.seen, self.seen + q
         self.pending = True
-        return storage.keys[:, :, : storage.used], storage.values[:, :, : storage.used]
+        return storage.read_keys(), storage.read_values()
 
     # --------------------------------------------------------- 2. before attention
     def before_attention(self, new_valid: torch.Tensor | None) -> tuple[torch.Tensor | None, bool]:
@@ -262,6 +267,7 @@ class CompressedLayer(CacheLayerMixin):
     def after_attention(self, query: torch.Tensor, positions: torch.Tensor | None, scaling: float) -> None:
         with self.timer.section("after_attention"):
             self._after_attention(query, positions, scaling)
+            self.storage.settle()
 
     def _after_attention(self, query: torch.Tensor, positions: torch.Tensor | None, scaling: float) -> None:
         self.pending = False
@@ -270,7 +276,7 @@ class CompressedLayer(CacheLayerMixin):
         if not self._states_made:
             self.n_query_heads = query.shape[1]
             self._new_states()
-        keys = storage.keys[:, :, : storage.used]
+        keys = storage.read_keys()
         if self._observes_steps or self._allocator_observes:
             step = self._observation(query.detach(), index, positions, scaling)
             if self._observes_steps:
@@ -285,7 +291,7 @@ class CompressedLayer(CacheLayerMixin):
         if rows is None:
             return
         obs = self._observation(*self.window.last(self._window_size), scaling)
-        values = storage.values[:, :, : storage.used]
+        values = storage.read_values()
         with self.timer.section("score"):
             scores = policy.scorer.score(obs, keys, values)
         keep = schedule.keep(view, self.states.schedule)

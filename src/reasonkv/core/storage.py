@@ -48,11 +48,34 @@ class KVStorage:
         """Are all slots in [0, used) real tokens, in the same layout for every head?"""
         return not (self.ragged or self.holes or self.padded)
 
+    @property
+    def allocated(self) -> bool:
+        return self.keys is not None
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[-1]
+
+    def read_keys(self) -> torch.Tensor:
+        """The stored keys [B, H, used, D], as attention and the scorers read them."""
+        return self.keys[:, :, : self.used]
+
+    def read_values(self) -> torch.Tensor:
+        return self.values[:, :, : self.used]
+
+    def settle(self) -> None:
+        """End of a forward, after any compression: nothing to do for full-precision storage."""
+
+    def token_bytes(self) -> float:
+        """Bytes one stored token costs in K and V, per head."""
+        return (
+            self.keys.shape[-1] * self.keys.element_size()
+            + self.values.shape[-1] * self.values.element_size()
+        )
+
     def ensure_capacity(self, needed: int, capacity: int, like: torch.Tensor, v_like: torch.Tensor) -> None:
         """Grow to `capacity` slots (copying what is stored) unless `needed` already fit."""
-        for name in self.state_names:
-            if name not in self.token_state:
-                self.token_state[name] = torch.zeros(*self.lengths.shape, self.capacity, device=self.device)
+        self._add_state()
         if self.keys is not None and needed <= self.keys.shape[2]:
             return
         b, h = self.lengths.shape
@@ -60,32 +83,51 @@ class KVStorage:
         # uninitialised memory would poison real outputs.
         keys = like.new_zeros(b, h, capacity, like.shape[-1])
         values = v_like.new_zeros(b, h, capacity, v_like.shape[-1])
-        index = torch.full((b, h, capacity), EMPTY, dtype=torch.long, device=self.device)
         if self.used:
             keys[:, :, : self.used] = self.keys[:, :, : self.used]
             values[:, :, : self.used] = self.values[:, :, : self.used]
+        self._grow_index(capacity)
+        self._replace_kv(keys, values)
+
+    def _add_state(self) -> None:
+        for name in self.state_names:
+            if name not in self.token_state:
+                self.token_state[name] = torch.zeros(*self.lengths.shape, self.capacity, device=self.device)
+
+    def _grow_index(self, capacity: int) -> None:
+        """token_index and the per-token state, grown to `capacity` slots."""
+        b, h = self.lengths.shape
+        index = torch.full((b, h, capacity), EMPTY, dtype=torch.long, device=self.device)
+        if self.used:
             index[:, :, : self.used] = self.token_index[:, :, : self.used]
         for name, tensor in self.token_state.items():
             grown = tensor.new_zeros(b, h, capacity)
             grown[:, :, : self.used] = tensor[:, :, : self.used]
             self.token_state[name] = grown
-        self._replace_kv(keys, values)
         self.token_index = index
+
+    def _write_kv(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, slots: torch.Tensor | None
+    ) -> None:
+        """Write this step's K/V at slots `used...` (slots None) or at `slots` [B, H, q]."""
+        if slots is None:
+            sl = slice(self.used, self.used + key_states.shape[2])
+            self.keys[:, :, sl] = key_states
+            self.values[:, :, sl] = value_states
+        else:
+            self.keys.scatter_(2, slots[..., None].expand(-1, -1, -1, key_states.shape[-1]), key_states)
+            self.values.scatter_(2, slots[..., None].expand(-1, -1, -1, value_states.shape[-1]), value_states)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor, first_index: int) -> None:
         """Write q new tokens (sequence indices first_index...) after each head's last slot."""
         q = key_states.shape[2]
         new_index = torch.arange(first_index, first_index + q, device=self.device)
         if not self.ragged:
-            sl = slice(self.used, self.used + q)
-            self.keys[:, :, sl] = key_states
-            self.values[:, :, sl] = value_states
-            self.token_index[:, :, sl] = new_index
+            self._write_kv(key_states, value_states, None)
+            self.token_index[:, :, self.used : self.used + q] = new_index
         else:
             slots = self.lengths[..., None] + torch.arange(q, device=self.device)  # [B, H, q]
-            d = key_states.shape[-1]
-            self.keys.scatter_(2, slots[..., None].expand(-1, -1, -1, d), key_states)
-            self.values.scatter_(2, slots[..., None].expand(-1, -1, -1, value_states.shape[-1]), value_states)
+            self._write_kv(key_states, value_states, slots)
             self.token_index.scatter_(2, slots, new_index.expand_as(slots).contiguous())
         for tensor in self.token_state.values():  # new tokens start with zero accumulated state
             if not self.ragged:

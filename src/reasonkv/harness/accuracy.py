@@ -58,9 +58,8 @@ class _KVMeter(StoppingCriteria):
         mem = self.cache.memory()
         live = 0.0
         if mem["live_tokens"] is not None:
-            layer = next(x for x in self.cache.layers if x.keys is not None)
-            per_token = layer.keys.shape[-1] * layer.keys.element_size()
-            per_token += layer.values.shape[-1] * layer.values.element_size()
+            layer = next(x for x in self.cache.layers if x.is_initialized and x.storage.allocated)
+            per_token = layer.storage.token_bytes()
             live = float(mem["live_tokens"].sum()) * per_token
         self.samples.append((mem["kv_bytes"] / self.rows, live / self.rows))
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

@@ -105,6 +105,10 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
     if spec.compresses:
         smallest = min(parts.schedule.target(int(b)) for b in budgets.flatten().tolist())
         check_protected_window(spec, budget, smallest, protected)
+    try:
+        parts.storage.check_head_dim(shape.head_dim)
+    except ValueError as err:
+        raise KnobError(f"parameters of {method!r} do not fit the model: {err}") from None
     install_attention(model)
     modules = attention_modules(model)
     rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
@@ -114,6 +118,7 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
         head_allocator=parts.head_allocator,
         rope_inv_freq=getattr(rotary, "inv_freq", None),
         rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+        kv_format=parts.storage,
         **parts.protection,
     )
     return CompressedCache(

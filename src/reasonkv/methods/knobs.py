@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from reasonkv.core.policy.knob import MAX_TOKENS, Bounds, declared_bounds
 from reasonkv.core.policy.schedules import Schedule
+from reasonkv.core.quantize import KVFormat
 from reasonkv.methods.registry import PROTECTION_BOUNDS, PROTECTION_KNOBS, MethodSpec, get_method
 
 
@@ -28,7 +29,7 @@ def check_known(names, valid, owner: str) -> None:
 
 
 def _knob_classes(spec: MethodSpec) -> list[type]:
-    parts = (spec.scorer, spec.schedule, spec.allocator, spec.head_allocator)
+    parts = (spec.scorer, spec.schedule, spec.allocator, spec.head_allocator, spec.storage)
     return [c for c in parts if isinstance(c, type) and dataclasses.is_dataclass(c)]
 
 
@@ -140,6 +141,7 @@ class Parts:
     allocator: object
     head_allocator: object | None
     protection: dict[str, object]
+    storage: KVFormat = dataclasses.field(default_factory=KVFormat)
 
     @property
     def protected(self) -> int:
@@ -158,6 +160,7 @@ def build_parts(spec: MethodSpec, overrides: dict) -> Parts:
             allocator=spec.allocator(**routed["allocator"]),
             head_allocator=spec.head_allocator(**routed["head_allocator"]) if spec.head_allocator else None,
             protection=routed["protection"],
+            storage=spec.storage(**routed["storage"]),
         )
     except KnobError:
         raise
@@ -204,7 +207,8 @@ def knobs_for_methods(
 ) -> dict[str, dict[str, object]]:
     """Each method's checked knobs: a shared knob goes to every method that has it (one that no
     method has is a typo, and an error), `per_method[name]` to that method only, over the shared
-    ones. A method that never compresses gets none: they would change nothing."""
+    ones. A method that never compresses gets only its storage knobs (kv_bits...): the others
+    would change nothing."""
     specs = {name: get_method(name) for name in dict.fromkeys(methods)}
     known = set().union(*(spec.knobs() for spec in specs.values()))
     check_known(shared, known, f"methods {', '.join(specs)}")
@@ -212,8 +216,17 @@ def knobs_for_methods(
     for name, spec in specs.items():
         mine = {k: v for k, v in shared.items() if k in spec.knobs()}
         mine.update((per_method or {}).get(name, {}))
-        out[name] = check_knobs(spec, mine) if spec.compresses else {}
+        if not spec.compresses:
+            mine = {k: v for k, v in mine.items() if k in storage_knobs(spec)}
+        out[name] = check_knobs(spec, mine)
     return out
+
+
+def storage_knobs(spec: MethodSpec) -> dict[str, object]:
+    """The knobs of how the method's cache stores K/V (kv_bits, group_size, residual), with
+    the method's defaults."""
+    names = {f.name for f in dataclasses.fields(spec.storage) if f.init}
+    return {k: v for k, v in spec.knobs().items() if k in names}
 
 
 def route_knobs(spec: MethodSpec, overrides: dict) -> dict[str, dict]:
@@ -234,5 +247,6 @@ def route_knobs(spec: MethodSpec, overrides: dict) -> dict[str, dict]:
         "schedule": fields_of(spec.schedule),
         "allocator": fields_of(spec.allocator),
         "head_allocator": fields_of(spec.head_allocator),
+        "storage": fields_of(spec.storage),
         "protection": {k: knobs[k] for k in PROTECTION_KNOBS},
     }

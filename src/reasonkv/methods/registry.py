@@ -29,6 +29,7 @@ from reasonkv.core.policy.schedules import (
     PeriodicRatio,
     Schedule,
 )
+from reasonkv.core.quantize import KVFormat
 
 PROTECTION_KNOBS = {
     "n_sink": "first real tokens always kept (attention sinks)",
@@ -51,12 +52,14 @@ class MethodSpec:
     compresses: bool = True
     head_allocator: type | None = None
     """Optional per-head split at each compression (LayerPolicy.head_allocator), e.g. AdaKV."""
+    storage: type = KVFormat
+    """How the cache stores what it keeps (kv_bits, group_size, residual): every method has it."""
 
     def knobs(self) -> dict[str, object]:
         """Every settable parameter with its default for this method."""
         out: dict[str, object] = {}
         schedule = self.schedule if isinstance(self.schedule, type) else None
-        for cls in (self.scorer, self.allocator, schedule, self.head_allocator):
+        for cls in (self.scorer, self.allocator, schedule, self.head_allocator, self.storage):
             if cls is None:
                 continue
             for f in dataclasses.fields(cls):
@@ -100,6 +103,19 @@ register(
         compresses=False,
     )
 )
+for _bits in (8, 4, 2):
+    register(
+        MethodSpec(
+            f"quant-int{_bits}",
+            f"no eviction; every token stored at {_bits} bits (KIVI-style: keys per channel, values per "
+            "token, the newest `residual` tokens in full precision)",
+            "KIVI, Liu et al. 2024, arXiv:2402.02750",
+            StreamingScorer,
+            NEVER,
+            defaults={"n_sink": 0, "n_recent": 0, "kv_bits": _bits},
+            compresses=False,
+        )
+    )
 register(
     MethodSpec(
         "streaming",

@@ -46,8 +46,8 @@ def cache_bytes(cache: CompressedCache) -> tuple[int, int]:
     its per-head live counts (cheap enough to call between steps)."""
     kv = total = 0
     for layer in cache.layers:
-        if not layer.is_initialized or layer.keys is None:
+        if not layer.is_initialized or not layer.storage.allocated:
             continue
-        kv += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        kv += layer.storage.kv_bytes()
         total += sum(t.numel() * t.element_size() for t in layer.tensors())
     return kv, total

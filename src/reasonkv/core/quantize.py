@@ -1,0 +1,178 @@
+"""A pure-torch KIVI-style quantizer (Liu et al. 2024, arXiv:2402.02750) and the KV storage format.
+
+Asymmetric min/max quantization in groups: each group of `group_size` elements along one
+axis gets a scale and a zero point (its minimum), and each element a `bits`-bit code in
+[0, 2^bits - 1], so the dequantized `code * scale + zero` is within `scale / 2` of the
+element. Codes are packed along the last axis into uint8 (one int8, two int4 or four int2
+per byte). The scale is rounded up and the zero down to the storage dtype, so that the bound
+still holds after they are stored at low precision.
+
+KV caches group keys per channel (groups run along the token axis: outlier channels get
+their own scale) and values per token (groups run along the channel axis).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from reasonkv.core.policy.knob import MAX_TOKENS, knob, tokens
+
+BITS = (8, 4, 2)
+"""The code widths the quantizer packs (16 means: not quantized, see `KVFormat`)."""
+
+
+def check_bits(bits: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {', '.join(map(str, BITS))}, got {bits!r}")
+
+
+def _check_group(size: int, group_size: int, what: str) -> None:
+    if group_size < 1 or size % group_size:
+        raise ValueError(f"group_size {group_size} must divide the {what} ({size})")
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., n] (each < 2^bits) -> [..., n * bits / 8] bytes, the first code in the low bits."""
+    check_bits(bits)
+    per = 8 // bits
+    if per == 1:
+        return codes.to(torch.uint8)
+    n = codes.shape[-1]
+    if n % per:
+        raise ValueError(f"the last axis ({n}) must be a multiple of {per} to pack {bits}-bit codes")
+    grouped = codes.to(torch.uint8).unflatten(-1, (n // per, per))
+    out = grouped[..., 0].clone()
+    for i in range(1, per):
+        out |= grouped[..., i] << (bits * i)
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of `pack`: [..., m] bytes -> uint8 codes [..., m * 8 / bits]."""
+    check_bits(bits)
+    per = 8 // bits
+    if per == 1:
+        return packed
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & (2**bits - 1)).flatten(-2)
+
+
+@dataclass
+class QuantizedTensor:
+    """Packed codes and, per group, a scale and a zero point. `dim` is the axis the groups run
+    along; `scale` and `zero` have that axis divided by `group_size`, every other axis as is."""
+
+    codes: torch.Tensor  # uint8, the last axis packed
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group_size: int
+    dim: int  # non-negative
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize(self, dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+
+def _round_to(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """x (float32) in `dtype`, rounded towards +inf (up) or -inf, so the stored value bounds x."""
+    if dtype == torch.float32:
+        return x
+    stored = x.to(dtype)
+    wrong = stored.float() < x if up else stored.float() > x
+    step = torch.full_like(stored, float("inf") if up else float("-inf"))
+    return torch.where(wrong, torch.nextafter(stored, step), stored)
+
+
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    dim: int,
+    store_dtype: torch.dtype | None = None,
+    valid: torch.Tensor | None = None,
+) -> QuantizedTensor:
+    """Quantize `x` in groups of `group_size` along `dim`; scales and zeros in `store_dtype`
+    (default: x's dtype). The last axis is packed, so it must hold a whole number of bytes.
+    `valid` (bool, broadcastable to x) leaves elements out of their group's range: they are
+    stored too, clamped into it (padding and evicted slots, never read)."""
+    check_bits(bits)
+    dim = dim % x.dim()
+    _check_group(x.shape[dim], group_size, f"axis {dim} of a {tuple(x.shape)} tensor")
+    store_dtype = x.dtype if store_dtype is None else store_dtype
+    levels = 2**bits - 1
+    g = x.float().unflatten(dim, (x.shape[dim] // group_size, group_size))
+    if valid is None:
+        lo, hi = g.amin(dim + 1, keepdim=True), g.amax(dim + 1, keepdim=True)
+    else:
+        ok = valid.expand_as(x).unflatten(dim, g.shape[dim : dim + 2])
+        lo = g.masked_fill(~ok, float("inf")).amin(dim + 1, keepdim=True)
+        hi = g.masked_fill(~ok, float("-inf")).amax(dim + 1, keepdim=True)
+        empty = ~ok.any(dim + 1, keepdim=True)
+        lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    zero = _round_to(lo, store_dtype, up=False)
+    span = hi - zero.float()
+    tiny = torch.finfo(store_dtype).tiny
+    scale = _round_to((span / levels).clamp(min=tiny), store_dtype, up=True)
+    codes = ((g - zero.float()) / scale.float()).round_().clamp_(0, levels).to(torch.uint8)
+    return QuantizedTensor(
+        pack(codes.flatten(dim, dim + 1), bits),
+        scale.squeeze(dim + 1),
+        zero.squeeze(dim + 1),
+        bits,
+        group_size,
+        dim,
+    )
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensor `q` stands for, in `dtype` (default: the scales' dtype)."""
+    dtype = q.scale.dtype if dtype is None else dtype
+    codes = unpack(q.codes, q.bits)
+    d = q.dim
+    codes = codes.unflatten(d, (codes.shape[d] // q.group_size, q.group_size))
+    scale, zero = q.scale.unsqueeze(d + 1).to(dtype), q.zero.unsqueeze(d + 1).to(dtype)
+    return (codes.to(dtype) * scale + zero).flatten(d, d + 1)
+
+
+@dataclass
+class KVFormat:
+    """How a cache stores the keys and values it keeps: its knobs, on every method.
+
+    kv_bits 16 stores them as the model computes them (no quantization). 8, 4 or 2 stores
+    keys per channel over groups of `group_size` tokens and values per token over groups of
+    `group_size` channels (so it must divide the head dim), packed, with a scale and a zero
+    point per group; the newest `residual` tokens (at least) stay in full precision and move
+    to the quantized part a group at a time.
+    """
+
+    kv_bits: Literal[16, 8, 4, 2] = 16
+    group_size: int = knob(16, ge=1, le=1024)
+    residual: int = tokens(128, minimum=0)
+
+    def __post_init__(self) -> None:
+        if self.kv_bits != 16:
+            check_bits(self.kv_bits)
+        if self.group_size & (self.group_size - 1):
+            raise ValueError(
+                f"group_size must be a power of two (it divides the head dim), got {self.group_size}"
+            )
+        if self.residual > MAX_TOKENS:
+            raise ValueError(f"residual must be at most 10^9 tokens, got {self.residual}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_bits != 16
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Refuse a head dim the value groups (and the packing) cannot split."""
+        if self.quantized and head_dim % self.group_size:
+            raise ValueError(
+                f"group_size {self.group_size} must divide the model's head dim ({head_dim}): values "
+                "are quantized per token in groups of group_size channels"
+            )

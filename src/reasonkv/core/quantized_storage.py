@@ -1,0 +1,322 @@
+"""KV storage that holds the keys and values it keeps quantized (KVFormat.kv_bits 8, 4 or 2).
+
+Slots keep their meaning from `KVStorage` (token_index, per-head lengths, holes, padding,
+per-token state are the same); only where K/V live changes. Slots `[0, q_used)` are
+quantized: keys per channel over groups of `group_size` slots, values per token over groups
+of `group_size` channels, codes packed into uint8 with a scale and a zero per group. Slots
+from `q_used` on are the residual, in the model's dtype. `q_used` is a multiple of
+`group_size` and never passes the shortest head, so every quantized slot belongs to every
+head and a new token (written after its head's last slot) always lands in the residual.
+
+At the end of each forward (`settle`, after any compression) whole groups of the oldest
+residual slots move to the quantized part while at least `residual` tokens of the shortest
+head stay behind. Reads (`read_keys`, attention and the scorers) dequantize the quantized part
+and append the residual: a transient full-precision copy of one layer, alive from `update`
+to the end of the layer's step, and counted in the peak of the memory meter.
+
+Holes and padding only change `token_index`, so they need nothing here. A compaction gathers
+kept slots that may come from different key groups, so it dequantizes, gathers in full
+precision and quantizes again from the new layout: values (one token, one group) come back
+as they were, up to float rounding; keys are re-quantized over their new groups, which costs
+at most half a new group's scale per compaction a token survives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reasonkv.core.memory_meter import MemoryMeter
+from reasonkv.core.policy.base import EMPTY
+from reasonkv.core.quantize import KVFormat, QuantizedTensor, quantize
+from reasonkv.core.storage import KVStorage, _bytes
+
+QUANT_CHUNK = 256
+"""The quantized part grows by its own size, at most this many slots (rounded up to whole
+groups) past what it needs, so a short run holds little spare room and a long one reallocates
+rarely."""
+
+
+def _head(q: QuantizedTensor, slots: int) -> QuantizedTensor:
+    """The first `slots` slots (axis 2) of a quantized K or V tensor."""
+    per = slots // q.group_size if q.dim == 2 else slots
+    return QuantizedTensor(
+        q.codes[:, :, :slots], q.scale[:, :, :per], q.zero[:, :, :per], q.bits, q.group_size, q.dim
+    )
+
+
+def _grown(q: QuantizedTensor, used: int, slots: int) -> QuantizedTensor:
+    """A copy of `q` with room for `slots` slots, its first `used` slots copied."""
+
+    def grow(t: torch.Tensor, n_used: int, n: int) -> torch.Tensor:
+        out = t.new_zeros(t.shape[0], t.shape[1], n, *t.shape[3:])
+        out[:, :, :n_used] = t[:, :, :n_used]
+        return out
+
+    g = q.group_size if q.dim == 2 else 1
+    return QuantizedTensor(
+        grow(q.codes, used, slots),
+        grow(q.scale, used // g, slots // g),
+        grow(q.zero, used // g, slots // g),
+        q.bits,
+        q.group_size,
+        q.dim,
+    )
+
+
+def _put(dst: QuantizedTensor, src: QuantizedTensor, start: int) -> None:
+    """Write `src` into `dst` from slot `start` (a group boundary)."""
+    n = src.codes.shape[2]
+    dst.codes[:, :, start : start + n] = src.codes
+    g = dst.group_size if dst.dim == 2 else 1
+    dst.scale[:, :, start // g : (start + n) // g] = src.scale
+    dst.zero[:, :, start // g : (start + n) // g] = src.zero
+
+
+def _rows(q: QuantizedTensor, rows: torch.Tensor) -> QuantizedTensor:
+    pick = [t.index_select(0, rows.to(t.device)) for t in (q.codes, q.scale, q.zero)]
+    return QuantizedTensor(*pick, q.bits, q.group_size, q.dim)
+
+
+class QuantizedKVStorage(KVStorage):
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        device: torch.device,
+        fmt: KVFormat,
+        state_names: tuple[str, ...] = (),
+        meter: MemoryMeter | None = None,
+    ):
+        self.fmt = fmt
+        self.kq: QuantizedTensor | None = None  # slots [0, q_cap): codes [B, H, q_cap, D*bits/8]
+        self.vq: QuantizedTensor | None = None
+        self.k_res: torch.Tensor | None = None  # slots [q_used, q_used + r_cap), the model's dtype
+        self.v_res: torch.Tensor | None = None
+        self.q_used = 0  # quantized slots (a multiple of group_size)
+        self.min_len = 0  # a lower bound of the shortest head's length (a python int)
+        self._view: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._view_bytes = 0
+        self._index_cap = 0
+        super().__init__(batch, heads, device, state_names, meter)
+
+    # K/V are not held as such: `keys` and `values` read (dequantize) them.
+    keys = property(lambda self: None if self.k_res is None else self.read_keys(), lambda self, v: None)
+    values = property(lambda self: None if self.k_res is None else self.read_values(), lambda self, v: None)
+
+    @property
+    def capacity(self) -> int:
+        return self._index_cap
+
+    @property
+    def allocated(self) -> bool:
+        return self.k_res is not None
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_res.shape[-1]
+
+    # ------------------------------------------------------------- reading
+    def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._view is None:
+            n = self.used - self.q_used
+            k_res, v_res = self.k_res[:, :, :n], self.v_res[:, :, :n]
+            if self.q_used == 0:
+                self._view = (k_res, v_res)
+            else:
+                dtype = self.k_res.dtype
+                keys = torch.cat([_head(self.kq, self.q_used).dequantize(dtype), k_res], dim=2)
+                values = torch.cat([_head(self.vq, self.q_used).dequantize(dtype), v_res], dim=2)
+                self._view = (keys, values)
+                self._view_bytes = _bytes(keys) + _bytes(values)
+                self.meter.allocated(self._view_bytes)
+        return self._view
+
+    def read_keys(self) -> torch.Tensor:
+        return self._read()[0]
+
+    def read_values(self) -> torch.Tensor:
+        return self._read()[1]
+
+    def _drop_view(self) -> None:
+        self._view = None
+        self.meter.released(self._view_bytes)
+        self._view_bytes = 0
+
+    def token_bytes(self) -> float:
+        d, g = self.head_dim, self.fmt.group_size
+        packed = 2 * d * self.fmt.kv_bits / 8
+        esz = self.kq.scale.element_size()
+        return packed + 2 * esz * (d / g + d / g)  # keys: D scales per g tokens; values: D/g per token
+
+    # ------------------------------------------------------------- writing
+    def ensure_capacity(self, needed: int, capacity: int, like: torch.Tensor, v_like: torch.Tensor) -> None:
+        self._add_state()
+        if self.k_res is None:
+            self.fmt.check_head_dim(like.shape[-1])
+            self.fmt.check_head_dim(v_like.shape[-1])
+            self._set(self._empty(like, 2), self._empty(v_like, 3), like[:, :, :0], v_like[:, :, :0])
+        if needed > self._index_cap:
+            self._grow_index(capacity)
+            self._index_cap = capacity
+        if needed - self.q_used > self.k_res.shape[2]:
+            self._resize_residual(needed - self.q_used + self.fmt.group_size)
+
+    def _empty(self, like: torch.Tensor, dim: int) -> QuantizedTensor:
+        return quantize(like[:, :, :0], self.fmt.kv_bits, self.fmt.group_size, dim)
+
+    def _resize_residual(self, slots: int) -> None:
+        n = self.used - self.q_used
+        k_res = self.k_res.new_zeros(*self.k_res.shape[:2], slots, self.k_res.shape[-1])
+        v_res = self.v_res.new_zeros(*self.v_res.shape[:2], slots, self.v_res.shape[-1])
+        k_res[:, :, :n] = self.k_res[:, :, :n]
+        v_res[:, :, :n] = self.v_res[:, :, :n]
+        self._set(self.kq, self.vq, k_res, v_res)
+
+    def _write_kv(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, slots: torch.Tensor | None
+    ) -> None:
+        self._drop_view()
+        q = key_states.shape[2]
+        if slots is None:
+            start = self.used - self.q_used
+            self.k_res[:, :, start : start + q] = key_states
+            self.v_res[:, :, start : start + q] = value_states
+        else:
+            rel = slots - self.q_used
+            self.k_res.scatter_(2, rel[..., None].expand(-1, -1, -1, key_states.shape[-1]), key_states)
+            self.v_res.scatter_(2, rel[..., None].expand(-1, -1, -1, value_states.shape[-1]), value_states)
+        self.min_len += q
+
+    def settle(self) -> None:
+        """Move whole groups of the oldest residual slots to the quantized part, keeping at
+        least `residual` tokens of the shortest head in full precision. The step's dequantized
+        view is dropped: between steps only the stored form is held."""
+        self._drop_view()
+        g = self.fmt.group_size
+        m = (self.min_len - self.q_used - self.fmt.residual) // g * g
+        if m <= 0:
+            return
+        real = (self.token_index[:, :, self.q_used : self.q_used + m] != EMPTY)[..., None]
+        k_new = quantize(self.k_res[:, :, :m], self.fmt.kv_bits, g, 2, valid=real)
+        v_new = quantize(self.v_res[:, :, :m], self.fmt.kv_bits, g, 3)
+        kq, vq = self.kq, self.vq
+        if self.q_used + m > kq.codes.shape[2]:
+            more = min(QUANT_CHUNK, self.q_used + m)  # doubling, at most a chunk past what it needs
+            room = self.q_used + m + -(-more // g) * g
+            kq, vq = _grown(kq, self.q_used, room), _grown(vq, self.q_used, room)
+        _put(kq, k_new, self.q_used)
+        _put(vq, v_new, self.q_used)
+        rest = self.used - self.q_used - m
+        keep = max(self.fmt.residual + 2 * g, rest + g)
+        if self.k_res.shape[2] > keep:  # a prefill's residual shrinks back
+            k_res = self.k_res.new_zeros(*self.k_res.shape[:2], keep, self.k_res.shape[-1])
+            v_res = self.v_res.new_zeros(*self.v_res.shape[:2], keep, self.v_res.shape[-1])
+        else:
+            k_res, v_res = self.k_res, self.v_res
+        k_tail, v_tail = self.k_res[:, :, m : m + rest].clone(), self.v_res[:, :, m : m + rest].clone()
+        k_res[:, :, rest:] = 0
+        v_res[:, :, rest:] = 0
+        k_res[:, :, :rest] = k_tail
+        v_res[:, :, :rest] = v_tail
+        self.q_used += m
+        self._set(kq, vq, k_res, v_res)
+
+    # ---------------------------------------------------------- tokens leave
+    def compact(self, slots: torch.Tensor, new_len: torch.Tensor, capacity: int) -> None:
+        """Gather the kept slots in full precision, then quantize them again (see the module doc)."""
+        b, h, k = slots.shape
+        safe = slots.clamp(max=max(self.used - 1, 0))
+        present = slots < self.used
+        keys, values = self.read_keys(), self.read_values()
+        keys = keys.gather(2, safe[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        values = values.gather(2, safe[..., None].expand(-1, -1, -1, values.shape[-1]))
+        self._drop_view()
+
+        def gather(src: torch.Tensor, fill) -> torch.Tensor:
+            out = src.new_full((b, h, capacity), fill)
+            out[:, :, :k] = src.gather(2, safe)
+            return out
+
+        index = gather(self.token_index[:, :, : self.used], EMPTY)
+        index[:, :, :k].masked_fill_(~present, EMPTY)
+        self.token_state = {n: gather(t[:, :, : self.used], 0) for n, t in self.token_state.items()}
+        self.token_index = index
+        self._index_cap = capacity
+        self.lengths = new_len.clone()
+        self.n_valid = new_len.clone()
+        self.used = k
+        self.min_len = int(new_len.min()) if new_len.numel() else 0
+        self.ragged = self.min_len != k or bool((new_len != k).any())
+        self.holes = False
+        self.padded = False
+        self._requantize(keys, values, capacity)
+
+    def _requantize(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        """Lay out `keys`/`values` [B, H, used, D] (full precision) as quantized part + residual."""
+        g, bits = self.fmt.group_size, self.fmt.kv_bits
+        q_new = max(self.min_len - self.fmt.residual, 0) // g * g
+        room = max(q_new, (capacity - self.fmt.residual) // g * g)
+        real = (self.token_index[:, :, :q_new] != EMPTY)[..., None]
+        kq = _grown(quantize(keys[:, :, :q_new], bits, g, 2, valid=real), q_new, room)
+        vq = _grown(quantize(values[:, :, :q_new], bits, g, 3), q_new, room)
+        n = self.used - q_new
+        k_res = keys.new_zeros(*keys.shape[:2], n + g, keys.shape[-1])
+        v_res = values.new_zeros(*values.shape[:2], n + g, values.shape[-1])
+        k_res[:, :, :n] = keys[:, :, q_new:]
+        v_res[:, :, :n] = values[:, :, q_new:]
+        self.q_used = q_new
+        self._set(kq, vq, k_res, v_res)
+
+    # ---------------------------------------------------------- bookkeeping
+    def _set(
+        self, kq: QuantizedTensor, vq: QuantizedTensor, k_res: torch.Tensor, v_res: torch.Tensor
+    ) -> None:
+        """Swap in new K/V tensors; the meter sees the new ones before the old ones go."""
+        new = [kq.codes, kq.scale, kq.zero, vq.codes, vq.scale, vq.zero, k_res, v_res]
+        held = self._kv_tensors()
+        self.meter.allocated(sum(_bytes(t) for t in new if not any(t is x for x in held)))
+        self.meter.released(sum(_bytes(t) for t in held if not any(t is x for x in new)))
+        self.kq, self.vq, self.k_res, self.v_res = kq, vq, k_res, v_res
+
+    def _kv_tensors(self) -> list[torch.Tensor]:
+        if self.k_res is None:
+            return []
+        return [
+            self.kq.codes,
+            self.kq.scale,
+            self.kq.zero,
+            self.vq.codes,
+            self.vq.scale,
+            self.vq.zero,
+            self.k_res,
+            self.v_res,
+        ]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        if self.k_res is not None:
+            self._drop_view()
+            idx = rows.to(self.k_res.device)
+            self._set(
+                _rows(self.kq, idx),
+                _rows(self.vq, idx),
+                self.k_res.index_select(0, idx),
+                self.v_res.index_select(0, idx),
+            )
+        for name in ("token_index", "lengths", "n_valid"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, rows.to(t.device)))
+        self.token_state = {n: t.index_select(0, rows.to(t.device)) for n, t in self.token_state.items()}
+
+    def tensors(self) -> list[torch.Tensor]:
+        ts = [*self._kv_tensors(), self.token_index, *self.token_state.values()]
+        return [t for t in ts if t is not None]
+
+    def kv_bytes(self) -> int:
+        return sum(_bytes(t) for t in self._kv_tensors())
+
+    def release(self) -> None:
+        self._drop_view()
+        self.meter.released(self.kv_bytes())
+        self.kq = self.vq = self.k_res = self.v_res = None
+        self.token_index = None

@@ -1,0 +1,182 @@
+"""Quantized KV storage (kv_bits 8/4/2) under every method: exact at 16 bits, close at 8,
+budgets, padding, ragged heads and compaction unchanged, bytes counted from what is held."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import HEAD_DIM, left_pad, random_prompt, tiny_model
+from reasonkv.core.quantize import dequantize
+from reasonkv.core.quantized_storage import QuantizedKVStorage
+from reasonkv.methods.api import make_cache
+from reasonkv.methods.knobs import KnobError, check_knobs
+from reasonkv.methods.registry import get_method
+
+SMALL = {"group_size": 8, "residual": 8}
+
+
+@torch.no_grad()
+def forced_logits(model, ids, mask, cache, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [B, n, V] of a prefill then one forced token per step (no argmax divergence)."""
+    out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+    logits = [out.logits[:, -1].float()]
+    for i in range(tokens.shape[1]):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        out = model(input_ids=tokens[:, i : i + 1], attention_mask=mask, cache=cache, use_cache=True)
+        logits.append(out.logits[:, -1].float())
+    return torch.stack(logits, 1)
+
+
+def _run(method: str, budget=None, batch: int = 1, steps: int = 40, prompt: int = 30, **knobs):
+    model = tiny_model("llama")
+    ids = random_prompt(prompt, 3, batch)
+    mask = torch.ones_like(ids)
+    tokens = random_prompt(steps, 4, batch)
+    cache = make_cache(model, method, budget=budget, **knobs)
+    return forced_logits(model, ids, mask, cache, tokens), cache
+
+
+def test_kv_bits_16_is_todays_path_bit_for_bit() -> None:
+    for method, budget in (("full", None), ("snapkv", 24)):
+        plain, cache = _run(method, budget, interval=8) if method == "snapkv" else _run(method)
+        again, cache16 = (
+            _run(method, budget, interval=8, kv_bits=16, group_size=8, residual=0)
+            if method == "snapkv"
+            else _run(method, kv_bits=16)
+        )
+        assert torch.equal(plain, again)
+        assert type(cache16.layers[0].storage) is type(cache.layers[0].storage)
+
+
+@pytest.mark.parametrize(
+    "method,budget,knobs",
+    [
+        ("quant-int8", None, {}),
+        ("snapkv", 24, {"interval": 8, "kv_bits": 8}),  # compacts: keys are re-quantized
+        ("h2o", 24, {"kv_bits": 8}),  # every step: holes
+        ("adakv-snapkv", 24, {"interval": 8, "kv_bits": 8}),  # ragged heads
+    ],
+)
+def test_int8_logits_stay_close_to_full_precision(method, budget, knobs) -> None:
+    full, _ = _run(
+        method if "quant" not in method else "full",
+        budget,
+        **{k: v for k, v in knobs.items() if k != "kv_bits"},
+    )
+    quant, cache = _run(method, budget, **knobs, **SMALL)
+    storage = cache.layers[0].storage
+    assert isinstance(storage, QuantizedKVStorage) and storage.q_used > 0
+    scale = full.abs().max()
+    assert float((quant - full).abs().max()) < 0.02 * float(scale)
+
+
+def test_lower_bits_cost_more_error_than_higher_bits() -> None:
+    full, _ = _run("full")
+    errs = [float((_run(f"quant-int{b}", **SMALL)[0] - full).abs().mean()) for b in (8, 4, 2)]
+    assert errs[0] < errs[1] < errs[2]
+
+
+@pytest.mark.parametrize("method,knobs", [("quant-int8", {}), ("snapkv", {"interval": 8, "kv_bits": 8})])
+def test_rows_alone_match_the_left_padded_batch(method, knobs) -> None:
+    """Bit for bit for the unpadded row and the prefill (which attends in full precision); close
+    for the padded row, whose slots (padding included) group and flush differently."""
+    model = tiny_model("llama")
+    prompts = [random_prompt(30, 5)[0], random_prompt(22, 6)[0]]
+    tokens = random_prompt(30, 7, 2)
+    ids, mask = left_pad(prompts)
+    budget = 24 if method == "snapkv" else None
+    batch = forced_logits(
+        model, ids, mask, make_cache(model, method, budget=budget, **knobs, **SMALL), tokens
+    )
+    for row, p in enumerate(prompts):
+        one = p[None]
+        alone = forced_logits(
+            model,
+            one,
+            torch.ones_like(one),
+            make_cache(model, method, budget=budget, **knobs, **SMALL),
+            tokens[row : row + 1],
+        )
+        gap = (alone[0] - batch[row]).abs()
+        assert float(gap[0].max()) < 1e-4
+        assert float(gap.max()) < (1e-4 if row == 0 else 0.05 * float(alone.abs().max()))
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "adakv-snapkv"])
+def test_budgets_still_hold(method) -> None:
+    budget, interval = 24, 8
+    knobs = {"kv_bits": 4, **SMALL} | ({} if method == "h2o" else {"interval": interval})
+    _, cache = _run(method, budget, batch=2, steps=60, **knobs)
+    slack = 1 if method == "h2o" else interval
+    for layer in cache.layers:
+        assert int(layer.n_valid.sum(-1).max()) <= (budget + slack) * layer.n_valid.shape[1]
+        assert layer.storage.q_used <= int(layer.lengths.min())
+
+
+def test_memory_counts_packed_codes_scales_zeros_and_residual_exactly() -> None:
+    _, cache = _run("quant-int4", steps=50, prompt=40, **SMALL)
+    expected = 0
+    for layer in cache.layers:
+        s = layer.storage
+        b, h = s.lengths.shape
+        q_cap, r_cap = s.kq.codes.shape[2], s.k_res.shape[2]
+        assert s.kq.codes.shape == s.vq.codes.shape == (b, h, q_cap, HEAD_DIM * 4 // 8)
+        assert s.kq.scale.shape == (b, h, q_cap // 8, HEAD_DIM)  # keys: per channel, per 8 tokens
+        assert s.vq.scale.shape == (b, h, q_cap, HEAD_DIM // 8)  # values: per token, per 8 channels
+        packed = 2 * b * h * q_cap * HEAD_DIM // 2  # int4: two codes a byte
+        scales = (
+            2 * 4 * (b * h * (q_cap // 8) * HEAD_DIM + b * h * q_cap * (HEAD_DIM // 8))
+        )  # scale + zero, fp32
+        residual = 2 * b * h * r_cap * HEAD_DIM * 4
+        expected += packed + scales + residual
+        assert s.q_used == (91 - 8) // 8 * 8  # 90 tokens + 1 forced: all but >= 8 newest, in groups of 8
+    assert cache.memory()["kv_bytes"] == expected == cache.kv_meter.current  # no dequantized view held
+    assert cache.memory()["peak_kv_bytes"] > expected  # the transient view of a step is in the peak
+    full = _run("full", steps=50, prompt=40)[1].memory()["kv_bytes"]
+    assert expected < full / 2
+
+
+def test_the_dequantized_read_is_what_is_stored() -> None:
+    _, cache = _run("quant-int4", **SMALL)
+    s = cache.layers[1].storage
+    keys = s.read_keys()
+    n = s.q_used
+    assert torch.equal(
+        keys[:, :, :n],
+        dequantize(
+            type(s.kq)(s.kq.codes[:, :, :n], s.kq.scale[:, :, : n // 8], s.kq.zero[:, :, : n // 8], 4, 8, 2)
+        ),
+    )
+    assert torch.equal(keys[:, :, n:], s.k_res[:, :, : s.used - n])
+
+
+@pytest.mark.parametrize(
+    "knobs,match",
+    [
+        ({"kv_bits": 3}, "kv_bits"),
+        ({"kv_bits": 4, "group_size": 12}, "power of two"),
+        ({"kv_bits": 4, "group_size": 0}, "group_size"),
+        ({"kv_bits": 4, "residual": -1}, "residual"),
+    ],
+)
+def test_bad_storage_knobs_are_one_clear_error_before_the_model_loads(knobs, match) -> None:
+    with pytest.raises(KnobError, match=match):
+        check_knobs(get_method("snapkv"), knobs)
+    with pytest.raises(KnobError, match=match):
+        check_knobs(get_method("full"), knobs)
+
+
+def test_a_group_size_that_does_not_divide_the_head_dim_is_refused_by_make_cache() -> None:
+    model = tiny_model("llama")
+    with pytest.raises(KnobError, match="divide the model's head dim"):
+        make_cache(model, "quant-int4", group_size=32)  # HEAD_DIM is 16
+
+
+def test_the_baselines_never_evict_and_store_every_token_at_their_bits() -> None:
+    for bits in (8, 4, 2):
+        spec = get_method(f"quant-int{bits}")
+        assert not spec.compresses and spec.knobs()["kv_bits"] == bits
+    _, cache = _run("quant-int2", **SMALL)
+    assert cache.layers[0].storage.kq.bits == 2
+    assert int(cache.layers[0].n_valid.min()) == 30 + 40
