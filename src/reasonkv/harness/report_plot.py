@@ -42,6 +42,10 @@ METHOD_STYLES: dict[str, dict] = {
     "pyramid-rkv": {"color": "#ff9896", "marker": "h"},
     "adakv-snapkv": {"color": "#e6ab02", "marker": ">"},
     "adakv-rkv": {"color": "#7f0000", "marker": ">"},
+    # quantization only (no eviction): greys to blacks by precision
+    "quant-int8": {"color": "#525252", "marker": "1"},
+    "quant-int4": {"color": "#969696", "marker": "2"},
+    "quant-int2": {"color": "#bdbdbd", "marker": "3"},
     # ours: blues, teals and purples, thick lines
     "beaconkv": {"color": "#1f77b4", "marker": "o"},
     "reasonalloc-beaconkv": {"color": "#4eb3d3", "marker": "s"},
