@@ -133,7 +133,7 @@ def summarize_results(records: list[dict]) -> list[Section]:
             knobs = json.loads(knobs_id)
             name = method
             if len(settings_of[method]) > 1:  # the same method under several knob settings
-                name += "[" + ",".join(f"{k}={v}" for k, v in knobs.items()) + "]"
+                name += "[" + (",".join(f"{k}={v}" for k, v in knobs.items()) or "defaults") + "]"
             row = {
                 "method": method,
                 "name": name,
