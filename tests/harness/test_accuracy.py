@@ -438,6 +438,8 @@ def test_eval_table_keeps_its_method_column_and_whole_numbers(eval_app, tmp_path
     assert "…" not in table and max(len(line) for line in table.splitlines()) <= columns
     assert "reasonalloc-" in table and "pass@1" in table and "truncated" in table
     assert ("left out at 80 columns" in " ".join(table.split())) == (columns == 80)
+    # The bundled model's name would mislead: the caption says what it is.
+    assert "a Q4_1 GGUF dequantised to fp32, not a reasoning model" in " ".join(table.split())
 
 
 @pytest.mark.parametrize(

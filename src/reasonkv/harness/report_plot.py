@@ -12,18 +12,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from reasonkv.core.models import model_note
 from reasonkv.util.plotting import pyplot, save_figure
-
-MODEL_NOTES = {
-    "smollm2-135m": "SmolLM2-135M-Instruct, a Q4_1 GGUF dequantised to fp32, not a reasoning model",
-}
-
-
-def model_note(model: str) -> str | None:
-    """One line on what the model is, for the models whose name alone would mislead."""
-    note = MODEL_NOTES.get(model)
-    return None if note is None else f"model: {note}"
-
 
 # ----------------------------------------------------------------------- styles
 METHOD_STYLES: dict[str, dict] = {
