@@ -279,3 +279,13 @@ def test_every_step_eviction_leaves_holes_and_compacts_every_k_steps(method: str
     tail = storage_ids[23:]
     changes = sum(a != b for a, b in zip(tail, tail[1:], strict=False))
     assert (len(tail) - 1) // 4 <= changes <= (len(tail) - 1) // 4 + 1
+
+
+def test_the_live_token_bound_counts_a_protected_prompt() -> None:
+    """protect_prompt may keep prompt tokens beyond the budget: the bound allows the prompt."""
+    model = tiny_model("llama", "sdpa", 2)
+    cache = reasonkv.make_cache(model, "streaming", 16, protect_prompt=True)
+    assert cache.live_token_bound() == 16  # before the prompt: the budget (trigger 17, minus 1)
+    model.generate(input_ids=random_prompt(24, seed=3), cache=cache, max_new_tokens=20, do_sample=False)
+    live = int(cache.memory()["live_tokens"].max())
+    assert cache.live_token_bound() == 16 + 24 and live <= cache.live_token_bound()

@@ -88,13 +88,12 @@ def profile(tmp_path_factory) -> str:
 def bound_checker(prompt_len: int):
     def check_bound(cache, fed: int) -> None:
         """Live tokens per head never above the method's bound (with a head allocator: per
-        layer). protect_prompt keeps the whole prompt on top of the budget, so there the
-        bound grows by the prompt's length."""
+        layer; live_token_bound counts a protected prompt itself)."""
         live = cache.memory()["live_tokens"]
         extra = prompt_len if cache.policy.protect_prompt else 0
         bound = cache.live_token_bound()
         if bound is not None:
-            assert int(live.max()) <= bound + extra, f"a head holds {int(live.max())} tokens, bound {bound}"
+            assert int(live.max()) <= bound, f"a head holds {int(live.max())} tokens, bound {bound}"
         elif cache.policy.head_allocator is not None:
             heads = live.shape[-1]
             for layer, held in zip(cache.layers, live.sum(-1).tolist(), strict=True):

@@ -347,11 +347,17 @@ class CompressedCache(Cache):
         }
 
     def live_token_bound(self) -> int | None:
-        """The most real tokens any head can hold after a step (None = unbounded)."""
+        """The most real tokens any head can hold after a step (None = unbounded). With
+        protect_prompt the whole prompt is kept on top of the budget, so the bound grows by
+        the longest prompt once the cache has seen it."""
         if self.policy.head_allocator is not None:
             return None
         tops = [layer.plan.trigger_max for layer in self.layers]
-        return None if tops[0] is None else max(tops) - 1
+        if tops[0] is None:
+            return None
+        prompt_end = self.layers[0].window.prompt_end
+        extra = int(prompt_end.max()) if self.policy.protect_prompt and prompt_end is not None else 0
+        return max(tops) - 1 + extra
 
     def __repr__(self) -> str:
         seen = self.get_seq_length()
