@@ -256,7 +256,10 @@ def test_bench_command_writes_json_tables_and_plots(loader, tmp_path) -> None:
     args += ["--plot", str(plots), "--profile-at", "8", "--profile-steps", "4", "--prompt", TEXT]
     result = runner.invoke(bench_app(), args, env=WIDE)
     assert result.exit_code == 0, result.output
-    assert loader == [{"name": "tiny", "attn_implementation": "sdpa"}]
+    auto = {"device": torch.device("cpu"), "dtype": torch.float32}  # --device/--dtype auto, no CUDA
+    if torch.cuda.is_available():
+        auto = {"device": torch.device("cuda"), "dtype": torch.bfloat16}
+    assert loader == [{"name": "tiny", "attn_implementation": "sdpa", **auto}]
 
     record = json.loads(out.read_text())
     assert record["kind"] == "bench" and record["model"] == "tiny"

@@ -11,11 +11,14 @@ from rich.markup import escape
 
 from reasonkv.cli.common import (
     CliError,
+    DeviceOption,
+    DtypeOption,
     MaxTokensOption,
     ModelOption,
     SharedSetsOption,
     TracesOption,
     build_runs,
+    check_device,
     check_runs_build,
     command_line,
     console,
@@ -51,6 +54,8 @@ def analyze_command(
         str | None, typer.Option("--id", help="The trace to analyse (default: the first of --variant).")
     ] = None,
     model_name: ModelOption = DEFAULT_MODEL,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     variant: Annotated[
         str, typer.Option("--variant", help="Rows of this `variant` ('all' = every row).")
     ] = "well_posed",
@@ -114,9 +119,10 @@ def analyze_command(
         row = rows[0]
         # Checked now with a placeholder D, so a bad φ/σ/k fails before the model loads.
         RevisitRule(distance or 1, fraction, n_sink, top_k, persistent or None)
+        where = check_device(device, dtype)
         set_threads()
         with loading_status(model_name):
-            model, tokenizer = load_model(model_name)
+            model, tokenizer = load_model(model_name, **where)
         n_layers = model.config.num_hidden_layers
         n_kv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
         if layer_list and max(layer_list) >= n_layers:

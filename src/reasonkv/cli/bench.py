@@ -16,11 +16,14 @@ from reasonkv.cli.common import (
     AttnOption,
     BudgetsOption,
     CliError,
+    DeviceOption,
+    DtypeOption,
     ModelOption,
     ResultsOutOption,
     SharedSetsOption,
     build_runs,
     check_attn,
+    check_device,
     check_runs_build,
     command_line,
     console,
@@ -62,6 +65,8 @@ def profile_table(profiles: list[dict]) -> Table:
 
 def bench_command(
     model_name: ModelOption = DEFAULT_MODEL,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     methods: Annotated[
         str, typer.Option("--methods", "-m", help="Comma-separated names from `reasonkv methods` (+ full).")
     ] = "full,streaming,snapkv,rkv,beaconkv",
@@ -124,9 +129,10 @@ def bench_command(
         if all(r.method != "full" for r in runs):
             runs.insert(0, bench.BenchRun("full"))
         runs.sort(key=lambda r: r.method != "full")  # full first: every ratio is to it
+        where = check_device(device, dtype)
         threads = set_threads()
         with loading_status(model_name):
-            model, tokenizer = load_model(model_name, attn_implementation=attn)
+            model, tokenizer = load_model(model_name, attn_implementation=attn, **where)
         check_runs_build(model, runs)
         prompt_ids = bench.prompt_input(tokenizer, prompt)
     except (CliError, ValueError, FileNotFoundError) as err:

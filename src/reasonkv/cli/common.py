@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from reasonkv.core.models import resolve_device, resolve_dtype
 from reasonkv.core.policy.knob import MAX_TOKENS
 from reasonkv.harness.replay import ReplayRun
 from reasonkv.methods.api import make_cache
@@ -40,6 +41,12 @@ MethodOption = Annotated[str, typer.Option("--method", "-m", help="A name from `
 BudgetOption = Annotated[int, typer.Option("--budget", "-b", help="Tokens kept per KV head.")]
 BudgetsOption = Annotated[str, typer.Option("--budgets", "-b", help="Comma-separated tokens per KV head.")]
 AttnOption = Annotated[str, typer.Option(help="Attention backend: sdpa or eager.")]
+DeviceOption = Annotated[
+    str, typer.Option("--device", help="auto (CUDA when present, else cpu), cpu, cuda, cuda:N or mps.")
+]
+DtypeOption = Annotated[
+    str, typer.Option("--dtype", help="auto (bfloat16 on CUDA, else float32), float32, bfloat16 or float16.")
+]
 MethodSetsOption = Annotated[
     list[str] | None, typer.Option("--set", "-s", help="Method parameter key=value (repeatable).")
 ]
@@ -68,6 +75,16 @@ def fail(message: str) -> typing.NoReturn:
 def check_attn(attn: str) -> None:
     if attn not in ("sdpa", "eager"):
         raise CliError(f"--attn must be sdpa or eager, got {attn!r}")
+
+
+def check_device(device: str, dtype: str) -> dict[str, object]:
+    """--device and --dtype as load_model's keywords; a bad or unavailable value is a CliError
+    (checked before the model loads)."""
+    try:
+        resolved = resolve_device(device)
+        return {"device": resolved, "dtype": resolve_dtype(dtype, resolved)}
+    except ValueError as err:
+        raise CliError(f"--device/--dtype: {err}") from None
 
 
 # ------------------------------------------------------------------ lists

@@ -17,10 +17,13 @@ from reasonkv.cli.common import (
     AttnOption,
     BudgetOption,
     CliError,
+    DeviceOption,
+    DtypeOption,
     MethodOption,
     MethodSetsOption,
     ModelOption,
     check_attn,
+    check_device,
     command_line,
     console,
     err_console,
@@ -115,6 +118,8 @@ def eval_command(
         str, typer.Option("--dataset", "-d", help=f"{', '.join(KNOWN)}, or a jsonl with id, problem, answer.")
     ] = "math500",
     model_name: ModelOption = DEFAULT_MODEL,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     method: MethodOption = "snapkv",
     budget: BudgetOption = 128,
     sets: MethodSetsOption = None,
@@ -184,9 +189,10 @@ def eval_command(
         problems, source = load_problems_from(dataset, limit=limit, ids=id_list, data_dir=data_dir, hub=hub)
         if not problems:
             raise CliError(f"{dataset}: no problems to evaluate")
+        where = check_device(device, dtype)
         set_threads()
         with loading_status(model_name):
-            model, tokenizer = load_model(model_name, attn_implementation=attn)
+            model, tokenizer = load_model(model_name, attn_implementation=attn, **where)
         make_cache(model, method, budget, **knobs)  # e.g. a budget below the protected window
     except (CliError, ValueError, FileNotFoundError) as err:
         fail(str(err))

@@ -17,10 +17,13 @@ from reasonkv.cli.common import (
     AttnOption,
     BudgetOption,
     CliError,
+    DeviceOption,
+    DtypeOption,
     MethodOption,
     MethodSetsOption,
     ModelOption,
     check_attn,
+    check_device,
     console,
     err_console,
     fail,
@@ -123,6 +126,8 @@ def generate_command(
     method: MethodOption = "snapkv",
     budget: BudgetOption = 128,
     model_name: ModelOption = DEFAULT_MODEL,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 256,
     sample: Annotated[
         bool,
@@ -161,9 +166,10 @@ def generate_command(
         check_attn(attn)
         if max_new_tokens <= 0:
             raise CliError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+        where = check_device(device, dtype)
         set_threads()
         with loading_status(model_name):
-            model, tokenizer = load_model(model_name, attn_implementation=attn)
+            model, tokenizer = load_model(model_name, attn_implementation=attn, **where)
         cache = make_cache(model, method, budget, **knobs)
         if record is not None:
             record_all_events(cache)  # `reasonkv plot budgets` draws every compression
@@ -199,6 +205,8 @@ def generate_command(
 
 def demo_command(
     model_name: ModelOption = DEFAULT_MODEL,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     budget: Annotated[int, typer.Option("--budget", "-b")] = 128,
     max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", "-n")] = None,
 ) -> None:
@@ -206,6 +214,6 @@ def demo_command(
     (greedy decoding, so the runs differ only by their caches)."""
     kwargs = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
     try:
-        run_demo(model=model_name, budget=budget, **kwargs)
-    except (ValueError, FileNotFoundError) as err:
+        run_demo(model=model_name, budget=budget, **check_device(device, dtype), **kwargs)
+    except (CliError, ValueError, FileNotFoundError) as err:
         fail(str(err))

@@ -11,10 +11,13 @@ from rich.progress import Progress
 
 from reasonkv.cli.common import (
     CliError,
+    DeviceOption,
+    DtypeOption,
     MaxTokensOption,
     ModelOption,
     TraceLimitOption,
     VariantOption,
+    check_device,
     command_line,
     console,
     fail,
@@ -55,6 +58,8 @@ def profile_command(
     ],
     out: Annotated[Path, typer.Option("--out", help="Where to write the profile JSON.")],
     model_name: ModelOption = DEFAULT_MODEL,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     limit: TraceLimitOption = None,
     variant: VariantOption = "well_posed",
     max_tokens: MaxTokensOption = 2048,
@@ -80,9 +85,10 @@ def profile_command(
                 raise CliError(f"{traces}: no traces of variant {variant!r}")
         if max_tokens <= 0 or stride <= 0 or chunk <= 0:
             raise CliError("--max-tokens, --stride and --chunk must be positive")
+        where = check_device(device, dtype)
         set_threads()
         with loading_status(model_name):
-            model, tokenizer = load_model(model_name)
+            model, tokenizer = load_model(model_name, **where)
     except (CliError, ValueError, FileNotFoundError) as err:
         fail(str(err))
     parts = [

@@ -13,6 +13,8 @@ from rich.table import Table
 from reasonkv.cli.common import (
     BudgetsOption,
     CliError,
+    DeviceOption,
+    DtypeOption,
     MaxTokensOption,
     ModelOption,
     ResultsOutOption,
@@ -21,6 +23,7 @@ from reasonkv.cli.common import (
     TracesOption,
     VariantOption,
     build_runs,
+    check_device,
     check_runs_build,
     command_line,
     console,
@@ -67,6 +70,8 @@ def replay_command(
     traces: TracesOption,
     out: ResultsOutOption = Path("replay.json"),
     model_name: ModelOption = DEFAULT_MODEL,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     methods: Annotated[
         str, typer.Option("--methods", "-m", help="Comma-separated names from `reasonkv methods`.")
     ] = "full,streaming,snapkv,rkv",
@@ -110,9 +115,10 @@ def replay_command(
         rows = load_traces(traces, limit=limit, variant=None if variant == "all" else variant, ids=id_list)
         if not rows:
             raise CliError(f"{traces}: no traces of variant {variant!r}")
+        where = check_device(device, dtype)
         set_threads()
         with loading_status(model_name):
-            model, tokenizer = load_model(model_name)
+            model, tokenizer = load_model(model_name, **where)
         inputs = [replay_input(tokenizer, row, max_tokens) for row in rows]
         short = [i.id for i in inputs if i.input_ids.shape[1] - i.prompt_len < 2]
         if short:

@@ -39,9 +39,19 @@ def _padding_mask_passthrough(batch_size, q_length, kv_length, *args, attention_
         raise another_sequence(
             held, f"the new input's attention mask covers {given} tokens, not {held} + {q_length}"
         )
-    if attention_mask is None or bool(attention_mask.all()):
+    if attention_mask is None:
         return None
-    return attention_mask
+    if attention_mask.dim() != 2:  # refused by the attention function unless it masks nothing
+        return None if bool(attention_mask.all()) else attention_mask
+    # One host read per forward answers both questions: is there padding at all, and is there
+    # any among this forward's tokens? The answer rides on a view of the mask, so the attention
+    # of every layer knows it without reading the mask again.
+    padded, new_padded = (~torch.stack([attention_mask.all(), attention_mask[:, -q_length:].all()])).tolist()
+    if not padded:
+        return None
+    mask = attention_mask.view(attention_mask.shape)
+    mask.reasonkv_new_padded = new_padded
+    return mask
 
 
 def _new_token_validity(attention_mask: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
@@ -52,6 +62,8 @@ def _new_token_validity(attention_mask: torch.Tensor | None, q_len: int) -> torc
         raise ValueError(
             "reasonkv attention takes a 2-D padding mask (batch, tokens); a prepared 4-D mask was given"
         )
+    if getattr(attention_mask, "reasonkv_new_padded", True) is False:  # known from the mask function
+        return None
     valid = attention_mask[:, -q_len:].bool()
     return None if bool(valid.all()) else valid
 

@@ -93,8 +93,10 @@ class EventLog:
     def add(self, layer_idx: int, seen: int, lengths: torch.Tensor, rows: torch.Tensor) -> None:
         if not self.enabled:
             return
-        # A copy: on CPU .cpu() is the live tensor, which later steps change in place.
-        event = CompressionEvent(layer_idx, seen, lengths.cpu().clone(), rows.cpu().clone())
+        # One copy to the host for both (each copy waits for the device); on CPU .cpu() is the
+        # live tensor, which later steps change in place, hence the clone.
+        both = torch.cat([lengths, rows[:, None].to(lengths.dtype)], dim=1).cpu()
+        event = CompressionEvent(layer_idx, seen, both[:, :-1].clone(), both[:, -1].bool())
         if not self.keep_all and len(self._events) == self._recent:
             self._data_bytes -= _event_data_bytes(self._events[0])
         self._events.append(event)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,57 @@ BUNDLED_GGUF = {
 
 class UnsupportedModelError(ValueError):
     pass
+
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+"""The dtypes a model may be loaded in, by name ("auto" picks one for the device)."""
+_DEVICE = re.compile(r"cpu|mps|cuda(:\d+)?")
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """The device a model runs on: "auto" (or None) is CUDA when present, else the CPU;
+    otherwise cpu, cuda, cuda:N or mps. A bad or unavailable device is a one-line ValueError,
+    raised before anything loads."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    name = "auto" if device is None else str(device).strip().lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not _DEVICE.fullmatch(name):
+        raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {device!r}")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: CUDA is not available on this machine (use cpu or auto)")
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device 'mps': MPS is not available on this machine (use cpu or auto)")
+    return torch.device(name)
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype | None = "auto", device: torch.device | str = "cpu"
+) -> torch.dtype:
+    """The dtype to load a model in: "auto" (or None) is bfloat16 on CUDA and float32 elsewhere;
+    otherwise float32, bfloat16 or float16 (fp32, bf16, fp16). A bad name is a one-line ValueError."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dtype
+    name = "auto" if dtype is None else str(dtype).strip().lower().removeprefix("torch.")
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -171,21 +223,23 @@ def check_local_model(name: str | Path) -> Path:
 
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str | None = "auto",
     attn_implementation: str = "sdpa",
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = "auto",
     gguf_file: str | None = None,
 ):
     """Load a causal LM and its tokenizer; refuse architectures reasonkv cannot compress.
 
     name_or_path: a bundled short name ("smollm2-135m"), a local directory or .gguf file,
     or a Hugging Face model id. attn_implementation: "sdpa" or "eager" (make_cache later
-    swaps in reasonkv's version of the same backend).
+    swaps in reasonkv's version of the same backend). device: "auto" (CUDA when present, else
+    the CPU), cpu, cuda, cuda:N or mps; dtype: "auto" (bfloat16 on CUDA, float32 elsewhere),
+    float32, bfloat16 or float16. Both are checked before anything loads.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     if attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f"attn_implementation must be 'sdpa' or 'eager', got {attn_implementation!r}")
     if name_or_path in BUNDLED_GGUF:

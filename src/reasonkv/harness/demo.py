@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -140,8 +141,11 @@ def run_demo(
     methods: tuple[str, ...] = ("snapkv", "streaming"),
     prompt: str = PROBLEM,
     console: Console | None = None,
+    device: str | torch.device | None = "auto",
+    dtype: str | torch.dtype | None = "auto",
 ) -> list[DemoRun]:
-    """Run the full cache and `methods` at `budget` on one problem; print and return the runs."""
+    """Run the full cache and `methods` at `budget` on one problem; print and return the runs
+    (the model on `device` in `dtype`, as load_model takes them)."""
     console = console or Console(highlight=False)
     set_threads()
     # Validate before the slow load: a typo should not cost 20 seconds.
@@ -152,7 +156,7 @@ def run_demo(
 
     start = time.perf_counter()
     with console.status(f"loading {model}…"), quiet_loading():
-        lm, tokenizer = load_model(model)
+        lm, tokenizer = load_model(model, device=device, dtype=dtype)
     console.print(f"loaded {model} in {time.perf_counter() - start:.1f} s", markup=False)
     console.print(f"Problem: {prompt}\n", markup=False)
     prompt_tokens = count_prompt_tokens(tokenizer, prompt)

@@ -271,5 +271,5 @@ class EntropyHeadSplit(HeadAllocator):
         h = utility.shape[1]
         layer_total = request.layer_total
         even = layer_total.double() / h
-        floor = torch.maximum((self.floor_ratio * even).floor().long(), torch.tensor(request.min_tokens))
+        floor = (self.floor_ratio * even).floor().long().clamp(min=request.min_tokens)
         return split_by_utility(layer_total, utility, floor[:, None], request.n_valid)
