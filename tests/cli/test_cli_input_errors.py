@@ -124,6 +124,20 @@ def test_generate_names_the_bad_profile_file(tmp_path, fake_loader, text, messag
     assert str(profile) in err
 
 
+@pytest.mark.parametrize(("text", "message"), PROFILE_CASES[:5] + PROFILE_CASES[6:])
+def test_a_bad_profile_is_refused_before_the_model_loads(tmp_path, no_model, text, message) -> None:
+    """Only the layer count needs the model; the rest of a profile is read with the knobs."""
+    profile = tmp_path / "wave.json"
+    profile.write_text(text.replace("HASH", "x"))
+    args = ["generate", "-m", "reasonalloc-layer-rkv", "-b", "16", "--profile", str(profile), "hi"]
+    assert str(profile) in one_line_error(runner.invoke(cli.app, args, env=WIDE), message)
+    traces = tmp_path / "traces.jsonl"
+    traces.write_text(json.dumps(GOOD) + "\n")
+    args = ["replay", "--traces", str(traces), "--variant", "all", "-m", "reasonalloc-rkv"]
+    args += ["--set", f"profile={profile}"]
+    assert str(profile) in one_line_error(runner.invoke(cli.app, args, env=WIDE), message)
+
+
 @pytest.mark.parametrize(("text", "message"), PROFILE_CASES[:5])
 def test_plot_wave_names_the_bad_profile_file(tmp_path, text, message) -> None:
     profile = tmp_path / "wave.json"

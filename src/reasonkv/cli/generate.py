@@ -98,25 +98,50 @@ def methods_command(
     if markdown:
         typer.echo(methods_markdown())
         return
-    narrow = console.width < 110  # fold the paper into the description rather than squeeze 5 columns
+    if console.width < 110:  # a table would fold knob names mid-word: key: value blocks instead
+        _print_methods_as_blocks(console.width)
+        return
     table = Table(title="reasonkv methods", show_lines=True, expand=True)
     longest = max((len(n) for n in METHODS), default=4)
     table.add_column("name", style="bold cyan", no_wrap=True, min_width=longest)
-    table.add_column("description" + (" / paper" if narrow else ""), ratio=3)
-    table.add_column("schedule", min_width=12, max_width=14 if narrow else 22)
-    table.add_column("default knobs (--set key=value) and ranges", ratio=2, overflow="fold")
-    if not narrow:
-        table.add_column("paper", ratio=2)
+    table.add_column("description", ratio=3)
+    table.add_column("schedule", min_width=12, max_width=22)
+    table.add_column("default knobs (--set key=value) and ranges", ratio=2)
+    table.add_column("paper", ratio=2)
     for name, spec in METHODS.items():
         # Registry text is plain: escape it so a "[...]" in a description is not read as markup.
         desc, paper = escape(spec.description), escape(spec.paper)
-        row = [escape(name), desc, escape(describe_schedule(spec)), escape(format_knob_ranges(spec))]
-        if narrow:
-            row[1] = desc if spec.paper == "-" else f"{desc}\n[dim]{paper}[/dim]"
-        else:
-            row.append(paper)
-        table.add_row(*row)
+        knobs = escape(format_knob_ranges(spec))
+        table.add_row(escape(name), desc, escape(describe_schedule(spec)), knobs, paper)
     console.print(table)
+    protect = ", ".join(f"{k}: {v}" for k, v in PROTECTION_KNOBS.items())
+    console.print(f"Every compressing method also takes the protection knobs ({protect}).", markup=False)
+
+
+def _knob_entries(spec: MethodSpec) -> list[str]:
+    """'fraction=0.125 (0,1)', one per knob: the unit that line breaks must not split."""
+    return [f"{k}={v} {rule}".strip() for k, v in spec.knobs().items() for rule in [_compact_rule(spec, k)]]
+
+
+def _print_methods_as_blocks(width: int) -> None:
+    """`reasonkv methods` for a narrow terminal: a block per method, lines broken only between
+    knobs and between words."""
+    indent = "    "
+    for name, spec in METHODS.items():
+        console.print(f"[bold cyan]{escape(name)}[/bold cyan]: {escape(spec.description)}", soft_wrap=False)
+        console.print(f"{indent}schedule: {escape(describe_schedule(spec))}", highlight=False)
+        lines, line = [], ""
+        for entry in _knob_entries(spec):
+            if line and len(indent) + len("knobs: ") + len(line) + 2 + len(entry) > width:
+                lines.append(line)
+                line = ""
+            line = f"{line}  {entry}" if line else entry
+        lines.append(line)
+        for k, text in enumerate(lines):
+            lead = f"{indent}knobs: " if k == 0 else indent + " " * len("knobs: ")
+            console.print(escape(lead + text), highlight=False, soft_wrap=True)
+        if spec.paper != "-":
+            console.print(f"{indent}[dim]paper: {escape(spec.paper)}[/dim]")
     protect = ", ".join(f"{k}: {v}" for k, v in PROTECTION_KNOBS.items())
     console.print(f"Every compressing method also takes the protection knobs ({protect}).", markup=False)
 
@@ -157,7 +182,7 @@ def generate_command(
                 raise CliError(f"--profile is for profile-driven methods (reasonalloc-*), not {method!r}")
             if not profile.exists():
                 raise CliError(f"no profile at {profile}")
-            knobs["profile"] = str(profile)
+            knobs = check_knobs(spec, {**knobs, "profile": str(profile)})  # reads the profile now
         check_budget(spec, budget, knobs)
         if not prompt:
             raise CliError("the prompt is empty: give the text to answer (or, with --raw, to continue)")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from reasonkv.core.policy.knob import MAX_TOKENS, Bounds, declared_bounds
 from reasonkv.core.policy.schedules import Schedule
 from reasonkv.core.quantize import KVFormat
+from reasonkv.methods.profiles import load_profile
 from reasonkv.methods.registry import PROTECTION_BOUNDS, PROTECTION_KNOBS, MethodSpec, get_method
 
 
@@ -129,6 +130,11 @@ def check_knobs(spec: MethodSpec, knobs: dict[str, object]) -> dict[str, object]
                     )
         out[name] = value
     build_parts(spec, out)
+    if isinstance(out.get("profile"), str):  # read it now: a bad profile should not wait for the model
+        try:
+            load_profile(out["profile"])
+        except (ValueError, FileNotFoundError) as err:
+            raise KnobError(f"parameter 'profile' of {spec.name!r}: {err}") from None
     return out
 
 
