@@ -309,6 +309,17 @@ def test_bench_command_interleaved(loader, tmp_path) -> None:
     assert record["runs"][0]["top1_agreement"] == 1.0
 
 
+def test_bench_tables_at_80_columns_keep_names_and_whole_numbers(loader, tmp_path) -> None:
+    args = ["bench", "--methods", "full,reasonalloc-head-rkv", "--budgets", "24", "--lengths", "12,24"]
+    args += ["--window", "8", "--set", "interval=8", "--out", str(tmp_path / "b.json")]
+    result = runner.invoke(bench_app(), args, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout[: result.stdout.rindex(" s wall")]  # the tables; the closing line names a path
+    assert "…" not in out and max(len(line) for line in out.splitlines()) <= 80
+    assert "reasonalloc-" in out and "head-rkv" in out and "tok/s last" in out
+    assert "left out at 80 columns" in " ".join(out.split())  # and the caption says which
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
