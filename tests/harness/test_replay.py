@@ -381,6 +381,20 @@ def test_replay_command_writes_results_table_and_plot(loader, tmp_path) -> None:
     assert f"KL {stored['mean_kl']:.4f}" in snap_line and "tokens/head" in snap_line
 
 
+@pytest.mark.parametrize("columns", [80, 200])
+def test_replay_table_fits_the_terminal_without_cutting_names(loader, tmp_path, columns) -> None:
+    traces = tmp_path / "t.jsonl"
+    write_traces(traces)
+    args = ["replay", "--traces", str(traces), "--model", "tiny", "--methods", "full,reasonalloc-head-rkv"]
+    args += ["--budgets", "16", "--set", "interval=8", "--max-tokens", "60", "--out", str(tmp_path / "r")]
+    result = runner.invoke(replay_app(), args, env={"COLUMNS": str(columns)})
+    assert result.exit_code == 0, result.output
+    table = result.stdout[: result.stdout.index(" s wall")]
+    assert "…" not in table and max(len(line) for line in table.splitlines()) <= columns
+    assert ("reasonalloc-head-rkv" in table) == (columns == 200)  # at 80 it breaks after a hyphen
+    assert "reasonalloc-" in table and "mean KL" in table and "top-1" in table
+
+
 def test_replay_command_batch_equals_one_by_one(loader, tmp_path) -> None:
     """--batch replays both traces as one batch: the same rows, numbers equal to float rounding."""
     traces = tmp_path / "t.jsonl"
