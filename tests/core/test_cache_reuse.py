@@ -127,3 +127,14 @@ def test_a_multi_token_forward_at_wrong_positions_is_refused() -> None:
         model(input_ids=random_prompt(4, seed=2), cache=cache, position_ids=torch.arange(10, 14)[None])
         with pytest.raises(ValueError, match="holds 14 tokens of another sequence"):
             model(input_ids=random_prompt(4, seed=3), cache=cache, position_ids=torch.arange(4)[None])
+
+
+def test_generate_from_embeddings_still_works_after_make_cache() -> None:
+    """The reuse guard wraps prepare_inputs_for_generation; transformers reads its signature to
+    decide whether inputs_embeds are supported, so the wrapper must keep it."""
+    model = tiny_model("llama", "sdpa", 2)
+    embeds = model.get_input_embeddings()(random_prompt(8, seed=0))
+    before = model.generate(inputs_embeds=embeds, max_new_tokens=4, **GREEDY)
+    cache = reasonkv.make_cache(model, "full", None)
+    assert torch.equal(model.generate(inputs_embeds=embeds, max_new_tokens=4, **GREEDY), before)
+    assert torch.equal(model.generate(inputs_embeds=embeds, cache=cache, max_new_tokens=4, **GREEDY), before)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from types import MappingProxyType
 
 import torch
@@ -40,9 +41,12 @@ def _guard_generation(model) -> None:
     if prepare is None or getattr(prepare, "reasonkv_guard", False):
         return
 
+    # wraps: transformers reads this function's signature (e.g. whether it takes inputs_embeds).
+    @functools.wraps(prepare)
     def guarded(input_ids, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if isinstance(cache, CompressedCache) and isinstance(input_ids, torch.Tensor):
+        embeds = kwargs.get("inputs_embeds") is not None  # then input_ids holds generated tokens only
+        if isinstance(cache, CompressedCache) and isinstance(input_ids, torch.Tensor) and not embeds:
             cache.check_input_ids(input_ids)
         return prepare(input_ids, *args, **kwargs)
 
