@@ -737,3 +737,14 @@ def test_batch_traces_runs_one_task_per_method_with_the_same_units_and_numbers(t
     assert shapes == [(["full", "snapkv"], 3)] * 3 + [(["streaming"], 6)]
     with pytest.raises(sw.GridError, match="batch_traces"):
         grid_of(tmp_path, settings={**settings, "batch_traces": "sometimes"})
+
+
+def test_the_default_loader_is_pinned_to_cpu_float32(monkeypatch) -> None:
+    """Unit keys carry no device or dtype: a sweep resumed on a GPU host must not load bf16."""
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(sw.pool, "load_model", lambda name, **kw: calls.append((name, kw)) or (None, None))
+    task = SimpleNamespace(model_id=("m", None), loader=None, model="m", attn="sdpa")
+    sw.pool.SweepWorker()._load(task)
+    assert calls == [("m", {"attn_implementation": "sdpa", "device": "cpu", "dtype": torch.float32})]

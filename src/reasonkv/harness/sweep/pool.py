@@ -54,9 +54,12 @@ class SweepWorker:
         self.model = self.tokenizer = self.model_id = None
         gc.collect()  # free the previous model before the next one loads
         start = time.perf_counter()
+        # The default loader is pinned to the CPU in float32: unit keys carry no device or dtype,
+        # so a sweep resumed on a GPU host must not append bf16 units under fp32 keys.
+        pinned = {"device": "cpu", "dtype": torch.float32} if task.loader is None else {}
         with quiet_loading():
             self.model, self.tokenizer = resolve_loader(task.loader)(
-                task.model, attn_implementation=task.attn
+                task.model, attn_implementation=task.attn, **pinned
             )
         self.model_id = task.model_id
         return time.perf_counter() - start
