@@ -175,6 +175,11 @@ def check_runs_build(model, runs: list[ReplayRun]) -> None:
 
 
 # ----------------------------------------------------------------- output
+def replay_unit_line(item: str, label: str, kl: float, top1: float, peak: float) -> str:
+    """One finished replay unit (trace × method@budget) as a plain log line, for replay and sweep."""
+    return f"{item} {label}: KL {kl:.4f}, top-1 {top1:.3f}, peak {peak:.0f} tokens/head"
+
+
 @contextlib.contextmanager
 def loading_status(model_name: str) -> Iterator[None]:
     """While a model loads: a spinner on stderr that names it, the libraries' own bars hidden."""

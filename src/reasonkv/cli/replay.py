@@ -33,6 +33,7 @@ from reasonkv.cli.common import (
     parse_budgets,
     parse_sets,
     progress_bar,
+    replay_unit_line,
     split_list,
 )
 from reasonkv.core.models import DEFAULT_MODEL, load_model, model_note
@@ -57,12 +58,9 @@ def _log_units(results: list, start: float) -> None:
     if err_console.is_terminal:
         return
     for r in results:
-        run = r.run.method + (f"@{r.run.budget}" if r.run.budget is not None else "")
         m = metrics(r.sums())
-        line = (
-            f"{r.trace_id} {run}: KL {m['mean_kl']:.4f}, top-1 {m['top1']:.3f}, "
-            f"peak {r.peak_live_tokens:.0f} tokens/head, {time.perf_counter() - start:.0f} s elapsed"
-        )
+        line = replay_unit_line(r.trace_id, r.run.label, m["mean_kl"], m["top1"], r.peak_live_tokens)
+        line += f", {time.perf_counter() - start:.0f} s elapsed"
         err_console.print(escape(line), soft_wrap=True, highlight=False)
 
 

@@ -15,7 +15,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from reasonkv.cli.common import console, err_console, fail
+from reasonkv.cli.common import console, err_console, fail, replay_unit_line
 from reasonkv.harness.report import load_records, rich_table, summarize_results, write_report
 from reasonkv.harness.sweep import GridError, SweepPlan, load_grid, plan, read_results, run_sweep
 from reasonkv.util.progress import progress_for
@@ -138,17 +138,16 @@ def sweep_command(
 def unit_line(record: dict) -> str:
     """One finished sweep unit as a plain line: what ran, its main numbers, its task's time."""
     c = record["config"]
-    what = f"{c.get('item')} {c['method']}" + (f"@{c['budget']}" if c.get("budget") is not None else "")
+    label = c["method"] if c.get("budget") is None else f"{c['method']}@{c['budget']}"
     if record["status"] != "ok":
-        return f"{what}: failed: {record.get('error', '?')}"
+        return f"{c.get('item')} {label}: failed: {record.get('error', '?')}"
     m = record["metrics"]
     if c["kind"] == "replay":
-        peak = m.get("peak_live_tokens", 0)
-        numbers = f"KL {m['mean_kl']:.4f}, top-1 {m['top1']:.3f}, peak {peak:.0f} tokens/head"
+        line = replay_unit_line(c.get("item"), label, m["mean_kl"], m["top1"], m.get("peak_live_tokens", 0))
     else:
-        numbers = f"pass@1 {m['pass@1']:.3f}, {m['generated_tokens']} tokens"
+        line = f"{c.get('item')} {label}: pass@1 {m['pass@1']:.3f}, {m['generated_tokens']} tokens"
     seconds = record.get("timings", {}).get("task_seconds", record.get("timings", {}).get("seconds"))
-    return f"{what}: {numbers}" + (f" ({seconds:.0f} s)" if seconds is not None else "")
+    return line + (f" ({seconds:.0f} s)" if seconds is not None else "")
 
 
 def _plan_line(p: SweepPlan, out: Path) -> str:
