@@ -29,6 +29,11 @@ def test_snapkv_peaks_at_one_layer_compacting_while_the_others_are_full() -> Non
     assert mem["peak_kv_bytes"] == (N_LAYERS + 1) * (budget + interval) * per_slot
     assert seen_peak == mem["kv_bytes"] == N_LAYERS * (budget + interval) * per_slot < mem["peak_kv_bytes"]
     assert cache.kv_meter.current == mem["kv_bytes"]  # every release was counted
+    # fp32 storage at 16 bits costs exactly half, now and at the peak.
+    assert (
+        2 * mem["kv_bytes_16bit"] == mem["kv_bytes"]
+        and 2 * mem["peak_kv_bytes_16bit"] == mem["peak_kv_bytes"]
+    )
 
 
 def test_the_meter_follows_growth_reorders_and_resets() -> None:

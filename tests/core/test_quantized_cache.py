@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import HEAD_DIM, left_pad, random_prompt, tiny_model
-from reasonkv.core.quantize import dequantize
+from reasonkv.core.memory_meter import MemoryMeter
+from reasonkv.core.quantize import KVFormat, dequantize
 from reasonkv.core.quantized_storage import QuantizedKVStorage
 from reasonkv.methods.api import make_cache
 from reasonkv.methods.knobs import KnobError, check_knobs
@@ -116,7 +117,7 @@ def test_budgets_still_hold(method) -> None:
 
 def test_memory_counts_packed_codes_scales_zeros_and_residual_exactly() -> None:
     _, cache = _run("quant-int4", steps=50, prompt=40, **SMALL)
-    expected = 0
+    expected = expected_16bit = 0
     for layer in cache.layers:
         s = layer.storage
         b, h = s.lengths.shape
@@ -130,9 +131,11 @@ def test_memory_counts_packed_codes_scales_zeros_and_residual_exactly() -> None:
         )  # scale + zero, fp32
         residual = 2 * b * h * r_cap * HEAD_DIM * 4
         expected += packed + scales + residual
+        expected_16bit += packed + scales // 2 + residual // 2  # codes as they are, floats at 2 bytes
         assert s.q_used == (91 - 8) // 8 * 8  # 90 tokens + 1 forced: all but >= 8 newest, in groups of 8
     assert cache.memory()["kv_bytes"] == expected == cache.kv_meter.current  # no dequantized view held
     assert cache.memory()["peak_kv_bytes"] > expected  # the transient view of a step is in the peak
+    assert cache.memory()["kv_bytes_16bit"] == expected_16bit == cache.kv_meter.current_16bit
     full = _run("full", steps=50, prompt=40)[1].memory()["kv_bytes"]
     assert expected < full / 2
 
@@ -180,3 +183,30 @@ def test_the_baselines_never_evict_and_store_every_token_at_their_bits() -> None
     _, cache = _run("quant-int2", **SMALL)
     assert cache.layers[0].storage.kq.bits == 2
     assert int(cache.layers[0].n_valid.min()) == 30 + 40
+
+
+def test_a_quantized_compaction_counts_its_dequantized_view_and_gathered_copy_in_the_peak() -> None:
+    """Compaction holds, at once: the old storage, the dequantized view it reads, and the
+    gathered kept tokens in full precision; then the gathered copy and both storages."""
+    meter = MemoryMeter()
+    s = QuantizedKVStorage(
+        1, 2, torch.device("cpu"), KVFormat(kv_bits=4, group_size=8, residual=8), meter=meter
+    )
+    k, v = torch.randn(1, 2, 40, HEAD_DIM), torch.randn(1, 2, 40, HEAD_DIM)
+    s.ensure_capacity(40, 64, k, v)
+    s.append(k, v, 0)
+    s.settle()
+    assert s.q_used == 32
+    # Live bytes: 2 heads x 32 quantized tokens at 4-bit codes (D/2 bytes each for K and V) plus
+    # fp32 scale and zero per group (K: per channel per 8 tokens, V: per 8 channels) = 3D bytes;
+    # the 8 newest tokens per head in the fp32 residual, 8D bytes each.
+    assert s.live_kv_bytes() == 2 * 32 * 3 * HEAD_DIM + 2 * 8 * 8 * HEAD_DIM
+    held = meter.current
+    assert held == s.kv_bytes()
+    meter.restart_peak()
+    view = 2 * 2 * 40 * HEAD_DIM * 4  # K and V, 2 heads, 40 slots, fp32
+    gathered = 2 * 2 * 20 * HEAD_DIM * 4
+    s.compact(torch.arange(0, 40, 2).expand(1, 2, 20), torch.full((1, 2), 20), 24)
+    new = s.kv_bytes()
+    assert meter.current == new
+    assert meter.peak == max(held + view + gathered, held + gathered + new)

@@ -228,6 +228,16 @@ def test_peak_memory_of_a_replay_is_what_the_cache_held_at_most() -> None:
     per_slot = 2 * KV_HEADS * 16 * 4  # K and V, KV heads, head dim 16, fp32: one row
     assert snap.decode_peak_kv_bytes == (N_LAYERS + 1) * (16 + 8) * per_slot
     assert snap.mean_kv_bytes <= snap.decode_peak_kv_bytes < full.decode_peak_kv_bytes
+    # At 16 bits (as served in bf16) the fp32 storage costs half, at every peak and on average.
+    for r in (full, snap, beacon, h2o):
+        assert 2 * r.decode_peak_kv_bytes_16bit == r.decode_peak_kv_bytes
+        assert 2 * r.peak_kv_bytes_16bit == r.peak_kv_bytes and 2 * r.mean_kv_bytes_16bit == r.mean_kv_bytes
+    (quant,), _ = replay_batch(
+        model,
+        inputs,
+        [ReplayRun("snapkv", 16, {"interval": 8, "kv_bits": 4, "group_size": 8, "residual": 8})],
+    )
+    assert quant.mean_kv_bytes_16bit > quant.mean_kv_bytes / 2  # its uint8 codes are not halved
     assert snap.live_tokens < snap.decode_peak_live_tokens
     # A prompt longer than the budget is held whole for its forward: the peak over the whole
     # run says so, the peak while decoding does not.

@@ -320,8 +320,9 @@ class CompressedCache(Cache):
     def memory(self) -> dict:
         """physical_bytes (all cache tensors), kv_bytes (K and V storage), peak_kv_bytes (the most
         K/V storage held at once so far, moments when a layer holds old and new storage
-        included), event_bytes (host memory of the recorded events, an estimate),
-        total_bytes (physical_bytes + event_bytes: the cache's whole footprint),
+        included), kv_bytes_16bit and peak_kv_bytes_16bit (the same with floating-point
+        elements at 16 bits, as served in bf16/fp16), event_bytes (host memory of the recorded
+        events, an estimate), total_bytes (physical_bytes + event_bytes: the cache's whole footprint),
         live_tokens [layers, kv_heads] (per batch row, [B, L, H], when B > 1), seen_tokens."""
         events = self.event_log.nbytes()
         layers = [layer for layer in self.layers if layer.is_initialized and layer.storage.allocated]
@@ -330,18 +331,23 @@ class CompressedCache(Cache):
                 "physical_bytes": 0,
                 "kv_bytes": 0,
                 "peak_kv_bytes": 0,
+                "kv_bytes_16bit": 0,
+                "peak_kv_bytes_16bit": 0,
                 "event_bytes": events,
                 "total_bytes": events,
                 "live_tokens": None,
                 "seen_tokens": 0,
             }
         kv = sum(layer.storage.kv_bytes() for layer in layers)
+        kv_16bit = sum(layer.storage.kv_bytes_16bit() for layer in layers)
         total = sum(t.numel() * t.element_size() for layer in layers for t in layer.tensors())
         live = torch.stack([layer.n_valid.cpu() for layer in layers], dim=1)  # [B, L, H]
         return {
             "physical_bytes": total,
             "kv_bytes": kv,
             "peak_kv_bytes": self.kv_meter.peak,
+            "kv_bytes_16bit": kv_16bit,
+            "peak_kv_bytes_16bit": self.kv_meter.peak_16bit,
             "event_bytes": events,
             "total_bytes": total + events,
             "live_tokens": live[0] if live.shape[0] == 1 else live,

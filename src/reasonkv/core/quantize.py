@@ -148,12 +148,13 @@ class KVFormat:
     keys per channel over groups of `group_size` tokens and values per token over groups of
     `group_size` channels (so it must divide the head dim), packed, with a scale and a zero
     point per group; the newest `residual` tokens (at least) stay in full precision and move
-    to the quantized part a group at a time.
+    to the quantized part a group at a time. The residual is 32, not KIVI's 128: eviction
+    budgets here are 64-512 tokens, and 128 would keep a budget-128 cache unquantized.
     """
 
     kv_bits: Literal[16, 8, 4, 2] = 16
     group_size: int = knob(16, ge=1, le=1024)
-    residual: int = tokens(128, minimum=0)
+    residual: int = tokens(32, minimum=0)
 
     def __post_init__(self) -> None:
         if self.kv_bits != 16:

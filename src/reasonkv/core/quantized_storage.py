@@ -28,7 +28,7 @@ import torch
 from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.base import EMPTY
 from reasonkv.core.quantize import KVFormat, QuantizedTensor, quantize
-from reasonkv.core.storage import KVStorage, _bytes
+from reasonkv.core.storage import KVStorage
 
 QUANT_CHUNK = 256
 """The quantized part grows by its own size, at most this many slots (rounded up to whole
@@ -95,7 +95,7 @@ class QuantizedKVStorage(KVStorage):
         self.q_used = 0  # quantized slots (a multiple of group_size)
         self.min_len = 0  # a lower bound of the shortest head's length (a python int)
         self._view: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._view_bytes = 0
+        self._view_owned = False  # is the view a dequantized copy (metered), not residual slices?
         self._index_cap = 0
         super().__init__(batch, heads, device, state_names, meter)
 
@@ -127,8 +127,8 @@ class QuantizedKVStorage(KVStorage):
                 keys = torch.cat([_head(self.kq, self.q_used).dequantize(dtype), k_res], dim=2)
                 values = torch.cat([_head(self.vq, self.q_used).dequantize(dtype), v_res], dim=2)
                 self._view = (keys, values)
-                self._view_bytes = _bytes(keys) + _bytes(values)
-                self.meter.allocated(self._view_bytes)
+                self._view_owned = True
+                self.meter.add(keys, values)
         return self._view
 
     def read_keys(self) -> torch.Tensor:
@@ -138,15 +138,25 @@ class QuantizedKVStorage(KVStorage):
         return self._read()[1]
 
     def _drop_view(self) -> None:
+        if self._view is not None and self._view_owned:  # a view of the residual alone is no copy
+            self.meter.remove(*self._view)
         self._view = None
-        self.meter.released(self._view_bytes)
-        self._view_bytes = 0
+        self._view_owned = False
 
     def token_bytes(self) -> float:
         d, g = self.head_dim, self.fmt.group_size
         packed = 2 * d * self.fmt.kv_bits / 8
         esz = self.kq.scale.element_size()
         return packed + 2 * esz * (d / g + d / g)  # keys: D scales per g tokens; values: D/g per token
+
+    def live_kv_bytes(self) -> float:
+        """Real tokens in the quantized part at `token_bytes`, the rest at full precision."""
+        quantized = int((self.token_index[:, :, : self.q_used] != EMPTY).sum())
+        full = (
+            self.k_res.shape[-1] * self.k_res.element_size()
+            + self.v_res.shape[-1] * self.v_res.element_size()
+        )
+        return quantized * self.token_bytes() + (float(self.n_valid.sum()) - quantized) * full
 
     # ------------------------------------------------------------- writing
     def ensure_capacity(self, needed: int, capacity: int, like: torch.Tensor, v_like: torch.Tensor) -> None:
@@ -230,6 +240,7 @@ class QuantizedKVStorage(KVStorage):
         keys, values = self.read_keys(), self.read_values()
         keys = keys.gather(2, safe[..., None].expand(-1, -1, -1, keys.shape[-1]))
         values = values.gather(2, safe[..., None].expand(-1, -1, -1, values.shape[-1]))
+        self.meter.add(keys, values)  # the gathered copy lives until the new layout is stored
         self._drop_view()
 
         def gather(src: torch.Tensor, fill) -> torch.Tensor:
@@ -250,6 +261,7 @@ class QuantizedKVStorage(KVStorage):
         self.holes = False
         self.padded = False
         self._requantize(keys, values, capacity)
+        self.meter.remove(keys, values)
 
     def _requantize(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         """Lay out `keys`/`values` [B, H, used, D] (full precision) as quantized part + residual."""
@@ -274,8 +286,8 @@ class QuantizedKVStorage(KVStorage):
         """Swap in new K/V tensors; the meter sees the new ones before the old ones go."""
         new = [kq.codes, kq.scale, kq.zero, vq.codes, vq.scale, vq.zero, k_res, v_res]
         held = self._kv_tensors()
-        self.meter.allocated(sum(_bytes(t) for t in new if not any(t is x for x in held)))
-        self.meter.released(sum(_bytes(t) for t in held if not any(t is x for x in new)))
+        self.meter.add(*[t for t in new if not any(t is x for x in held)])
+        self.meter.remove(*[t for t in held if not any(t is x for x in new)])
         self.kq, self.vq, self.k_res, self.v_res = kq, vq, k_res, v_res
 
     def _kv_tensors(self) -> list[torch.Tensor]:
@@ -312,11 +324,8 @@ class QuantizedKVStorage(KVStorage):
         ts = [*self._kv_tensors(), self.token_index, *self.token_state.values()]
         return [t for t in ts if t is not None]
 
-    def kv_bytes(self) -> int:
-        return sum(_bytes(t) for t in self._kv_tensors())
-
     def release(self) -> None:
         self._drop_view()
-        self.meter.released(self.kv_bytes())
+        self.meter.remove(*self._kv_tensors())
         self.kq = self.vq = self.k_res = self.v_res = None
         self.token_index = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from reasonkv.core.memory_meter import MemoryMeter
+from reasonkv.core.memory_meter import MemoryMeter, tensor_bytes, tensor_bytes_16bit
 from reasonkv.core.policy.base import EMPTY
 
 
@@ -72,6 +72,10 @@ class KVStorage:
             self.keys.shape[-1] * self.keys.element_size()
             + self.values.shape[-1] * self.values.element_size()
         )
+
+    def live_kv_bytes(self) -> float:
+        """Bytes of the real tokens held (all rows and heads), at what each one costs stored."""
+        return float(self.n_valid.sum()) * self.token_bytes()
 
     def ensure_capacity(self, needed: int, capacity: int, like: torch.Tensor, v_like: torch.Tensor) -> None:
         """Grow to `capacity` slots (copying what is stored) unless `needed` already fit."""
@@ -210,10 +214,10 @@ class KVStorage:
     # ------------------------------------------------------------- bookkeeping
     def _replace_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Swap in new K/V tensors: both sets are alive until the old ones are dropped."""
-        self.meter.allocated(_bytes(keys) + _bytes(values))
-        old = self.kv_bytes()
+        self.meter.add(keys, values)
+        old = self._kv_tensors()
         self.keys, self.values = keys, values
-        self.meter.released(old)
+        self.meter.remove(*old)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         if self.keys is not None:
@@ -231,14 +235,17 @@ class KVStorage:
         ts = [self.keys, self.values, self.token_index, *self.token_state.values()]
         return [t for t in ts if t is not None]
 
+    def _kv_tensors(self) -> list[torch.Tensor]:
+        return [] if self.keys is None else [self.keys, self.values]
+
     def kv_bytes(self) -> int:
-        return 0 if self.keys is None else _bytes(self.keys) + _bytes(self.values)
+        return sum(map(tensor_bytes, self._kv_tensors()))
+
+    def kv_bytes_16bit(self) -> int:
+        """kv_bytes with floating-point elements at 16 bits (see core/memory_meter)."""
+        return sum(map(tensor_bytes_16bit, self._kv_tensors()))
 
     def release(self) -> None:
         """Drop the storage (a reset): its bytes leave the meter."""
-        self.meter.released(self.kv_bytes())
+        self.meter.remove(*self._kv_tensors())
         self.keys = self.values = self.token_index = None
-
-
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

@@ -56,11 +56,8 @@ class _KVMeter(StoppingCriteria):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
         mem = self.cache.memory()
-        live = 0.0
-        if mem["live_tokens"] is not None:
-            layer = next(x for x in self.cache.layers if x.is_initialized and x.storage.allocated)
-            per_token = layer.storage.token_bytes()
-            live = float(mem["live_tokens"].sum()) * per_token
+        layers = [x for x in self.cache.layers if x.is_initialized and x.storage.allocated]
+        live = sum(x.storage.live_kv_bytes() for x in layers)
         self.samples.append((mem["kv_bytes"] / self.rows, live / self.rows))
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 

@@ -134,6 +134,10 @@ class ReplayResult:
     decode_peak_live_tokens: float = 0.0
     decode_peak_kv_bytes: float = 0.0
     mean_kv_bytes: float = 0.0  # held after each forward, averaged over the positions it served
+    # The same three with floating-point elements priced at 16 bits (as served in bf16/fp16).
+    peak_kv_bytes_16bit: float = 0.0
+    decode_peak_kv_bytes_16bit: float = 0.0
+    mean_kv_bytes_16bit: float = 0.0
     forwards: int = 0
     compressions: int = 0
     """Compression events over the trace, all layers together."""
@@ -161,6 +165,9 @@ class ReplayResult:
             "decode_peak_live_tokens": self.decode_peak_live_tokens,
             "decode_peak_kv_bytes": self.decode_peak_kv_bytes,
             "mean_kv_bytes": self.mean_kv_bytes,
+            "peak_kv_bytes_16bit": self.peak_kv_bytes_16bit,
+            "decode_peak_kv_bytes_16bit": self.decode_peak_kv_bytes_16bit,
+            "mean_kv_bytes_16bit": self.mean_kv_bytes_16bit,
             "forwards": self.forwards,
             "compressions": self.compressions,
             "seconds": self.seconds,
@@ -270,8 +277,9 @@ class _Lane:
     records: list[dict[str, torch.Tensor]] = field(default_factory=list)
     live_weighted: torch.Tensor | None = None  # [B] live tokens summed over positions
     peak_live: torch.Tensor | None = None  # [B] over the trace positions
-    prefill_peak_kv: int = 0  # the meter's peak during the prompt's forward
+    prefill_peak_kv: tuple[int, int] = (0, 0)  # the meter's peaks during the prompt's forward
     kv_weighted: torch.Tensor | None = None  # [B] K/V bytes per row summed over positions
+    kv_weighted_16bit: torch.Tensor | None = None  # the same at 16 bits
     forwards: int = 0
     seconds: float = 0.0
 
@@ -365,6 +373,7 @@ def replay_batch(
             lane.seconds += time.perf_counter() - t0
             lane.live_weighted = torch.zeros(rows, dtype=torch.float64)
             lane.kv_weighted = torch.zeros(rows, dtype=torch.float64)
+            lane.kv_weighted_16bit = torch.zeros(rows, dtype=torch.float64)
             lane.peak_live = torch.zeros(rows, dtype=torch.float64)
             lane.prefill_peak_kv = lane.cache.kv_meter.restart_peak()
         for a in range(p0, end, block):
@@ -384,6 +393,7 @@ def replay_batch(
             k: torch.cat([r[k] for r in lane.records], dim=1).cpu() for k in ("kl", "top1", "nll_full", "nll")
         }
         row_compressions = lane.cache.row_compressions()
+        meter = lane.cache.kv_meter
         for r, inp in enumerate(inputs):
             n = batch.lengths[r]
             results[r].append(
@@ -394,10 +404,13 @@ def replay_batch(
                     **{k: v[r, :n] for k, v in cat.items()},
                     live_tokens=float(lane.live_weighted[r]) / n,
                     peak_live_tokens=max(float(lane.peak_live[r]), float(inp.prompt_len)),
-                    peak_kv_bytes=max(lane.prefill_peak_kv, lane.cache.kv_meter.peak) / rows,
+                    peak_kv_bytes=max(lane.prefill_peak_kv[0], meter.peak) / rows,
                     decode_peak_live_tokens=float(lane.peak_live[r]),
-                    decode_peak_kv_bytes=lane.cache.kv_meter.peak / rows,
+                    decode_peak_kv_bytes=meter.peak / rows,
                     mean_kv_bytes=float(lane.kv_weighted[r]) / n,
+                    peak_kv_bytes_16bit=max(lane.prefill_peak_kv[1], meter.peak_16bit) / rows,
+                    decode_peak_kv_bytes_16bit=meter.peak_16bit / rows,
+                    mean_kv_bytes_16bit=float(lane.kv_weighted_16bit[r]) / n,
                     forwards=lane.forwards,
                     compressions=int(row_compressions[r]),
                     seconds=lane.seconds / rows,
@@ -445,6 +458,7 @@ def _advance(
         lane.live_weighted += k_row * live + k_row * (k_row + 1) / 2
         lane.peak_live = torch.maximum(lane.peak_live, live + k_row)
         lane.kv_weighted += k_row * (lane.cache.kv_meter.current / batch.ids.shape[0])
+        lane.kv_weighted_16bit += k_row * (lane.cache.kv_meter.current_16bit / batch.ids.shape[0])
         lane.forwards += 1
         pos += k
 
