@@ -2,7 +2,7 @@
 
 from reasonkv.core.cache import CompressedCache
 from reasonkv.core.models import DEFAULT_MODEL, UnsupportedModelError, load_model
-from reasonkv.methods.api import generate, install_attention, make_cache
+from reasonkv.methods.api import CacheFactory, compressed_pipeline, generate, install_attention, make_cache
 from reasonkv.methods.registry import available_methods, get_method
 from reasonkv.util.version import package_version
 
@@ -10,9 +10,11 @@ __version__ = package_version()
 
 __all__ = [
     "DEFAULT_MODEL",
+    "CacheFactory",
     "CompressedCache",
     "UnsupportedModelError",
     "available_methods",
+    "compressed_pipeline",
     "generate",
     "get_method",
     "install_attention",

@@ -4,9 +4,11 @@ same numbers), failing units, sharding over workers (in-process and Ray), the re
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,16 +31,20 @@ TEST_PATH = os.pathsep.join([str(HERE), str(TESTS)])
 LOADER = "test_sweep:tiny_loader"
 LOADS: list[str] = []
 """Models tiny_loader loaded in this process."""
+DTYPES: list[torch.dtype] = []
+"""The dtype of each model tiny_loader loaded in this process."""
 
 
-def tiny_loader(name: str, attn_implementation: str = "sdpa", **kwargs):
-    """The sweep's model loader in these tests: a tiny random Llama and a char tokenizer,
-    importable by Ray workers and subprocesses. 'broken' fails to load. A forward hook
-    slows every forward when REASONKV_TEST_DELAY is set (so a kill lands mid-sweep)."""
+def tiny_loader(name: str, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32, **kwargs):
+    """The sweep's model loader in these tests: a tiny random Llama (in `dtype`, on the CPU)
+    and a char tokenizer, importable by Ray workers and subprocesses. 'broken' fails to load.
+    A forward hook slows every forward when REASONKV_TEST_DELAY is set (so a kill lands
+    mid-sweep)."""
     LOADS.append(name)
+    DTYPES.append(dtype)
     if name == "broken":
         raise FileNotFoundError("no model called 'broken'")
-    model = tiny_llama(attn_implementation)
+    model = tiny_llama(attn_implementation).to(dtype)
     delay = float(os.environ.get("REASONKV_TEST_DELAY", "0"))
     if delay:
         model.register_forward_pre_hook(lambda *args: time.sleep(delay))
@@ -50,6 +56,7 @@ def one_thread(monkeypatch):
     """The sweep sets torch threads per worker: keep this process at conftest's one."""
     monkeypatch.setenv("REASONKV_THREADS", "1")
     LOADS.clear()
+    DTYPES.clear()
     yield
     torch.set_num_threads(1)
 
@@ -171,10 +178,12 @@ def test_unit_keys_are_stable_and_track_what_changes_the_numbers(tmp_path) -> No
         ({"datasets": [{"trace": "x"}]}, "needs `traces`"),
         ({"settings": {"max_tokens": 1}}, "at least 2"),
         ({"settings": {"samples": 2}}, "unknown key(s) samples"),
+        ({"settings": {"dtype": "bf17"}}, "[settings]: dtype must be auto, float32, bfloat16 or float16"),
+        ({"datasets": [{"traces": "x", "device": "gpu"}]}, "datasets[0]: device must be auto, cpu"),
     ],
 )
 def test_bad_grids_are_one_clear_error(tmp_path, over, message) -> None:
-    with pytest.raises(sw.GridError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(sw.GridError, match=re.escape(message)):
         grid_of(tmp_path, **over)
 
 
@@ -739,12 +748,98 @@ def test_batch_traces_runs_one_task_per_method_with_the_same_units_and_numbers(t
         grid_of(tmp_path, settings={**settings, "batch_traces": "sometimes"})
 
 
-def test_the_default_loader_is_pinned_to_cpu_float32(monkeypatch) -> None:
-    """Unit keys carry no device or dtype: a sweep resumed on a GPU host must not load bf16."""
-    from types import SimpleNamespace
-
+def test_every_loader_gets_the_grid_s_device_and_dtype_default_cpu_float32(monkeypatch) -> None:
+    """Never the loader's own "auto": a sweep resumed on a GPU host must not load bf16 under fp32 keys."""
     calls = []
-    monkeypatch.setattr(sw.pool, "load_model", lambda name, **kw: calls.append((name, kw)) or (None, None))
-    task = SimpleNamespace(model_id=("m", None), loader=None, model="m", attn="sdpa")
-    sw.pool.SweepWorker()._load(task)
+
+    def load(name, **kwargs):
+        calls.append((name, kwargs))
+        return tiny_llama().to(kwargs["dtype"]), CharTokenizer()
+
+    monkeypatch.setattr(sw.pool, "load_model", load)
+    sw.pool.SweepWorker()._load(sw.Task("replay", "m", "sdpa", None, []))
     assert calls == [("m", {"attn_implementation": "sdpa", "device": "cpu", "dtype": torch.float32})]
+    sw.pool.SweepWorker()._load(sw.Task("replay", "m", "sdpa", None, [], dtype="bfloat16"))
+    assert calls[1][1]["dtype"] == torch.bfloat16
+
+
+def test_default_device_and_dtype_leave_unit_keys_as_they_were(tmp_path) -> None:
+    """A unit of a grid without device or dtype keeps the key it had before these settings
+    existed (written out by hand here); spelled-out defaults are the same units, others new."""
+    one = {"datasets": [{"traces": "traces.jsonl", "limit": 1}], "methods": ["snapkv"], "budgets": [16]}
+    (unit,) = sw.expand(grid_of(tmp_path, **one))
+    _, problem, trace = TRACES[0]
+    old = {
+        "kind": "replay",
+        "model": "tiny",
+        "dataset": "traces",
+        "item": "t1",
+        "input_sha": hashlib.sha256(json.dumps([problem, trace]).encode()).hexdigest()[:16],
+        "seed": 0,
+        "attn": "sdpa",
+        "max_tokens": 80,
+        "bin": 32,
+        "loader": LOADER,
+        "method": "snapkv",
+        "budget": 16,
+        "knobs": {"interval": 8},
+    }
+    assert unit.config == old and unit.key == sw.unit_key(old)
+    settings = {"max_tokens": 80, "bin": 32, "loader": LOADER}
+    (spelled,) = sw.expand(grid_of(tmp_path, **one, settings={**settings, "device": "CPU", "dtype": "fp32"}))
+    assert spelled.key == unit.key
+    (bf16,) = sw.expand(grid_of(tmp_path, **one, settings={**settings, "dtype": "bf16"}))
+    assert bf16.config == {**old, "dtype": "bfloat16"} and bf16.key == sw.unit_key(bf16.config) != unit.key
+    assert sw.make_tasks([bf16])[0].model_id != sw.make_tasks([unit])[0].model_id  # never one model for both
+
+
+def test_a_bfloat16_grid_runs_on_the_cpu_and_every_record_states_device_and_dtype(tmp_path) -> None:
+    settings = {"max_tokens": 48, "bin": 32, "loader": LOADER}
+    one = {
+        "datasets": [{"traces": "traces.jsonl", "limit": 1}],
+        "methods": ["full", "snapkv"],
+        "budgets": [16],
+    }
+    for dtype, want in ((None, torch.float32), ("bfloat16", torch.bfloat16)):
+        DTYPES.clear()
+        grid = grid_of(tmp_path, **one, settings={**settings, **({"dtype": dtype} if dtype else {})})
+        out = tmp_path / f"{dtype}.jsonl"
+        stats = sw.run_sweep(grid, out, threads=1)
+        assert (stats.ok, stats.failed) == (2, 0) and DTYPES == [want]
+        records = lines_of(out)
+        assert {(r["device"], r["dtype"]) for r in records} == {("cpu", str(want).removeprefix("torch."))}
+        assert all(r["config"].get("dtype") == dtype and "device" not in r["config"] for r in records)
+        assert all(r["metrics"]["positions"] > 0 for r in records)
+
+
+def fp32_loader(name: str, attn_implementation: str = "sdpa", **kwargs):
+    """A loader that ignores the grid's dtype."""
+    return tiny_llama(attn_implementation), CharTokenizer()
+
+
+def test_a_loader_that_ignores_the_grid_s_dtype_fails_its_units_at_load(tmp_path) -> None:
+    settings = {"max_tokens": 48, "loader": "test_sweep:fp32_loader", "dtype": "bfloat16"}
+    grid = grid_of(tmp_path, datasets=[{"traces": "traces.jsonl", "limit": 1}], settings=settings)
+    out = tmp_path / "out.jsonl"
+    stats = sw.run_sweep(grid, out, threads=1)
+    assert stats.ok == 0 and stats.failed == 5
+    for r in lines_of(out):
+        assert r["phase"] == "load" and r["dtype"] == "bfloat16"
+        assert (
+            "the loader returned a model in float32 on cpu; the grid asks for bfloat16 on cpu" in r["error"]
+        )
+
+
+def test_a_bad_dtype_in_a_grid_file_is_one_line_before_anything_loads(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(sw.pool, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    write_traces(tmp_path / "traces.jsonl")
+    grid_path = tmp_path / "grid.toml"
+    grid_path.write_text(
+        'kind = "replay"\nmodels = ["tiny"]\nmethods = ["full"]\n[settings]\ndtype = "float64"\n'
+        '[[datasets]]\ntraces = "traces.jsonl"\n'
+    )
+    result = runner.invoke(app(), ["sweep", str(grid_path), "--out", str(tmp_path / "o.jsonl")])
+    message = errors_of(result).strip()
+    assert result.exit_code == 2 and "Traceback" not in message
+    assert "[settings]: dtype must be auto, float32, bfloat16 or float16, got 'float64'" in message
+    assert len(message.splitlines()) == 1 and not (tmp_path / "o.jsonl").exists()

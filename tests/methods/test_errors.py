@@ -167,8 +167,9 @@ def test_a_compressed_cache_cannot_be_cropped() -> None:
     model = tiny_model("llama")
     cache = reasonkv.make_cache(model, "snapkv", 16)
     model(input_ids=random_prompt(6, seed=0), cache=cache)
-    with pytest.raises(NotImplementedError, match="cannot be cropped"):
-        cache.crop(3)
+    with pytest.raises(NotImplementedError, match="cannot be cropped") as err:
+        cache.crop(-3)
+    assert "assisted decoding and prompt lookup" in str(err.value)
 
 
 def test_load_model_of_a_missing_name_says_how_to_get_it() -> None:

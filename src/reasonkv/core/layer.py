@@ -408,7 +408,10 @@ class CompressedLayer(CacheLayerMixin):
             self.select_rows(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a compressed cache cannot be cropped: evicted tokens are gone")
+        raise NotImplementedError(
+            "a reasonkv cache cannot be cropped (evicted tokens are gone), so assisted decoding and "
+            "prompt lookup decoding (assistant_model=, prompt_lookup_num_tokens=) are not supported with it"
+        )
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the layer holds: storage, query window, and its policies' tensors."""

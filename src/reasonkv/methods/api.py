@@ -1,9 +1,11 @@
-"""make_cache: turn a method name and a budget into a ready CompressedCache for a model."""
+"""make_cache: turn a method name and a budget into a ready CompressedCache for a model;
+CacheFactory and compressed_pipeline: a fresh one for every generate() call or pipeline batch."""
 
 from __future__ import annotations
 
 import functools
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -128,6 +130,75 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
     return CompressedCache(
         budgets, policy, method=method, attention_modules=modules, scaling=float(modules[0].scaling)
     )
+
+
+class CacheFactory:
+    """Makes a fresh CompressedCache at every call: `model.generate(**inputs, cache=caches())`.
+
+    A cache serves one sequence (another prompt is refused), so a loop of generate() calls or
+    a pipeline over several prompts needs a new cache each time; this holds the method, budget
+    and knobs once. They are checked here, before any prompt runs (a KnobError). `last` is the
+    cache of the latest call (for `memory()` or `events` after it ran), `made` how many were made.
+    """
+
+    def __init__(self, model, method: str = "snapkv", budget: int | None = 128, **knobs: Any) -> None:
+        self.model, self.method, self.budget, self.knobs = model, method, budget, dict(knobs)
+        make_cache(model, method, budget, **self.knobs)  # raises now on a bad method, budget or knob
+        self.last: CompressedCache | None = None
+        self.made = 0
+
+    def __call__(self) -> CompressedCache:
+        self.last = None  # the previous cache's storage goes before the next one fills
+        self.last = make_cache(self.model, self.method, self.budget, **self.knobs)
+        self.made += 1
+        return self.last
+
+    def __repr__(self) -> str:
+        knobs = "".join(f", {k}={v!r}" for k, v in self.knobs.items())
+        return f"CacheFactory({self.method!r}, budget={self.budget}{knobs}; {self.made} made)"
+
+
+def compressed_pipeline(caches: CacheFactory, tokenizer, **pipeline_kwargs: Any):
+    """A transformers text-generation pipeline over `caches.model` that decodes every batch
+    with a fresh cache from `caches`: `pipe(["prompt 1", "prompt 2"], max_new_tokens=256)`.
+    `pipeline_kwargs` go to `transformers.pipeline` (e.g. device, batch_size). Passing `cache`
+    or `past_key_values` to the pipeline is refused: one cache cannot serve several prompts."""
+    from transformers import pipeline
+
+    if not isinstance(caches, CacheFactory):
+        raise TypeError(f"compressed_pipeline needs a reasonkv.CacheFactory, got {type(caches).__name__}")
+    return pipeline(
+        "text-generation",
+        model=caches.model,
+        tokenizer=tokenizer,
+        pipeline_class=_pipeline_class(),
+        cache_factory=caches,
+        **pipeline_kwargs,
+    )
+
+
+@functools.cache
+def _pipeline_class() -> type:
+    """Built on first use: importing transformers' pipelines takes seconds."""
+    from transformers import TextGenerationPipeline
+
+    class CompressedTextGenerationPipeline(TextGenerationPipeline):
+        """transformers' text-generation pipeline; each batch's generate() gets a new cache."""
+
+        def __init__(self, *args, cache_factory: CacheFactory, **kwargs) -> None:
+            self.cache_factory = cache_factory
+            super().__init__(*args, **kwargs)
+
+        def _forward(self, model_inputs, **generate_kwargs):
+            given = sorted({"cache", "past_key_values"} & set(generate_kwargs))
+            if given:
+                raise ValueError(
+                    f"this pipeline makes a fresh reasonkv cache for every batch; do not pass {given[0]}= "
+                    "(one cache serves one sequence)"
+                )
+            return super()._forward(model_inputs, cache=self.cache_factory(), **generate_kwargs)
+
+    return CompressedTextGenerationPipeline
 
 
 GREEDY = MappingProxyType({"do_sample": False, "temperature": None, "top_p": None, "top_k": None})

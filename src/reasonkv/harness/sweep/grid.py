@@ -7,6 +7,12 @@ one that none has is an error), `[knobs.NAME]` (to one method, over the shared o
 `[[datasets]]` (replay: `traces`, a trace jsonl; eval: `dataset`, math500/aime24/aime25 or a
 jsonl). Relative paths are relative to the grid file; examples/sweep-replay.toml is a
 commented grid.
+
+`device` and `dtype` say where and in what precision every model loads (default cpu and
+float32). They are checked, and "auto" resolved, when the grid loads, on the machine that
+loads it: a device it lacks is refused there, dry runs included. Every unit's record states
+them; a unit's key includes them only when they are not the defaults, so units of grids
+written before these settings existed keep their keys.
 """
 
 from __future__ import annotations
@@ -16,14 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reasonkv.core.models import resolve_device, resolve_dtype
 from reasonkv.methods.knobs import knobs_for_methods
 from reasonkv.methods.registry import get_method
 
 KINDS = ("replay", "eval")
 TOP_KEYS = {"kind", "description", "models", "methods", "budgets", "seeds", "settings", "knobs", "datasets"}
-COMMON_SETTINGS: dict[str, Any] = {"attn": "sdpa", "loader": None}
-"""loader: "module:function" called as fn(model, attn_implementation=...) -> (model, tokenizer)
-instead of reasonkv.core.models.load_model (it must be importable by every worker)."""
+PLACEMENT: dict[str, str] = {"device": "cpu", "dtype": "float32"}
+"""The default device and dtype: units that run with them carry neither in their key."""
+COMMON_SETTINGS: dict[str, Any] = {"attn": "sdpa", "loader": None, **PLACEMENT}
+"""loader: "module:function" called as fn(model, attn_implementation=..., device=..., dtype=...)
+-> (model, tokenizer) instead of reasonkv.core.models.load_model (it must be importable by
+every worker; device is a str, dtype a torch.dtype, and the model it returns must be on them)."""
 REPLAY_SETTINGS: dict[str, Any] = {
     "max_tokens": 2048,
     "variant": "well_posed",
@@ -110,6 +120,12 @@ def _check_settings(where: str, values: dict, kind: str) -> None:
         raise GridError(f"{where}: `ids` must be a list of ids")
     if values.get("attn", "sdpa") not in ("sdpa", "eager"):
         raise GridError(f"{where}: `attn` must be sdpa or eager, got {values['attn']!r}")
+    for key, resolve in (("device", resolve_device), ("dtype", resolve_dtype)):
+        if key in values:
+            try:
+                resolve(values[key])
+            except ValueError as err:
+                raise GridError(f"{where}: {err}") from None
     if values.get("batch_traces", False) not in (True, False, "every-step"):
         raise GridError(
             f'{where}: `batch_traces` must be true, false or "every-step", got {values["batch_traces"]!r}'
@@ -168,6 +184,7 @@ def parse_grid(data: dict, base_dir: str | Path = ".", path: Path | None = None)
         own = {k: v for k, v in entry.items() if k not in (source_key, "name")}
         _check_settings(where, own, kind)
         settings = {**SETTINGS[kind], **defaults, **own}
+        settings.update(_placement(settings["device"], settings["dtype"]))
         source = entry[source_key]
         if kind == "replay" or not _is_known_dataset(source):
             candidate = base / source
@@ -205,6 +222,12 @@ def parse_grid(data: dict, base_dir: str | Path = ".", path: Path | None = None)
         path=path,
         description=str(data.get("description", "")),
     )
+
+
+def _placement(device: str, dtype: str) -> dict[str, str]:
+    """The canonical names a unit records: "auto" resolved, "bf16" -> "bfloat16"."""
+    where = resolve_device(device)
+    return {"device": str(where), "dtype": str(resolve_dtype(dtype, where)).removeprefix("torch.")}
 
 
 def _compresses(method: str) -> bool:

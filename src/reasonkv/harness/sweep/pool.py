@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from reasonkv.core.models import load_model
+from reasonkv.core.models import load_model, resolve_dtype
 from reasonkv.harness.sweep.grid import GridError
 from reasonkv.harness.sweep.log import versions
 from reasonkv.harness.sweep.tasks import error_record, eval_task, replay_task
@@ -35,6 +35,24 @@ def resolve_loader(spec: str | None) -> Callable:
     if not sep or not module or not attr:
         raise ValueError(f"loader must be 'module:function', got {spec!r}")
     return getattr(importlib.import_module(module), attr)
+
+
+def check_placement(model, device: str, dtype: str) -> None:
+    """The units record `device` and `dtype`: a loader that put the model elsewhere fails them."""
+    want = torch.device(device)
+    param = next(model.parameters(), None)
+    if param is None:
+        return
+    here = param.device
+    if (
+        here.type != want.type
+        or (want.index is not None and here.index != want.index)
+        or param.dtype != resolve_dtype(dtype)
+    ):
+        got = str(param.dtype).removeprefix("torch.")
+        raise ValueError(
+            f"the loader returned a model in {got} on {here}; the grid asks for {dtype} on {device}"
+        )
 
 
 class SweepWorker:
@@ -54,14 +72,14 @@ class SweepWorker:
         self.model = self.tokenizer = self.model_id = None
         gc.collect()  # free the previous model before the next one loads
         start = time.perf_counter()
-        # The default loader is pinned to the CPU in float32: unit keys carry no device or dtype,
-        # so a sweep resumed on a GPU host must not append bf16 units under fp32 keys.
-        pinned = {"device": "cpu", "dtype": torch.float32} if task.loader is None else {}
+        # Every loader gets the grid's device and dtype (default cpu, float32), never its own
+        # "auto": a sweep resumed on a GPU host must not append bf16 units under fp32 keys.
         with quiet_loading():
-            self.model, self.tokenizer = resolve_loader(task.loader)(
-                task.model, attn_implementation=task.attn, **pinned
+            model, tokenizer = resolve_loader(task.loader)(
+                task.model, attn_implementation=task.attn, device=task.device, dtype=resolve_dtype(task.dtype)
             )
-        self.model_id = task.model_id
+        check_placement(model, task.device, task.dtype)
+        self.model, self.tokenizer, self.model_id = model, tokenizer, task.model_id
         return time.perf_counter() - start
 
     def run(self, task: Task) -> list[dict]:

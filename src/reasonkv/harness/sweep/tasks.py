@@ -16,13 +16,20 @@ import zlib
 
 import torch
 
-from reasonkv.harness.sweep.units import Task, Unit
+from reasonkv.harness.sweep.units import Task, Unit, placement
 from reasonkv.methods.api import make_cache
 from reasonkv.util.records import utc_timestamp
 
 
 def _record(unit: Unit, status: str, **fields) -> dict:
-    return {"key": unit.key, "status": status, "kind": unit.config["kind"], "config": unit.config, **fields}
+    return {
+        "key": unit.key,
+        "status": status,
+        "kind": unit.config["kind"],
+        "config": unit.config,
+        **placement(unit.config),
+        **fields,
+    }
 
 
 def error_record(unit: Unit, err: BaseException, phase: str = "run") -> dict:

@@ -21,7 +21,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from reasonkv.harness.sweep.grid import SELECTION, DatasetSpec, Grid, GridError
+from reasonkv.harness.sweep.grid import PLACEMENT, SELECTION, DatasetSpec, Grid, GridError
 from reasonkv.methods.registry import get_method
 
 
@@ -29,6 +29,11 @@ def unit_key(config: dict) -> str:
     """Stable across runs, machines and key order: sha256 of the canonical JSON, 20 hex."""
     text = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def placement(config: dict) -> dict[str, str]:
+    """The device and dtype a unit runs with (a config holds them only when not the defaults)."""
+    return {k: config.get(k, default) for k, default in PLACEMENT.items()}
 
 
 def _sha(*parts: str) -> str:
@@ -92,6 +97,9 @@ def expand(grid: Grid) -> list[Unit]:
     for spec in grid.datasets:
         items = _items(spec, grid.kind)
         keyed = {k: v for k, v in spec.settings.items() if k not in SELECTION}
+        for k, default in PLACEMENT.items():  # the defaults stay out: keys from before them still match
+            if keyed[k] == default:
+                del keyed[k]
         if grid.kind == "eval" and spec.settings["greedy"]:
             keyed.update(temperature=None, top_p=None)  # greedy ignores them: keep keys equal
         for model in grid.models:
@@ -132,10 +140,12 @@ class Task:
     attn: str
     loader: str | None
     units: list[Unit]
+    device: str = PLACEMENT["device"]
+    dtype: str = PLACEMENT["dtype"]
 
     @property
     def model_id(self) -> tuple:
-        return (self.model, self.attn, self.loader)
+        return (self.model, self.attn, self.loader, self.device, self.dtype)
 
 
 def make_tasks(units: list[Unit]) -> list[Task]:
@@ -147,6 +157,6 @@ def make_tasks(units: list[Unit]) -> list[Task]:
     tasks = []
     for members in groups.values():
         c = members[0].config
-        tasks.append(Task(c["kind"], c["model"], c["attn"], c.get("loader"), members))
+        tasks.append(Task(c["kind"], c["model"], c["attn"], c.get("loader"), members, **placement(c)))
     order = {m: i for i, m in enumerate(dict.fromkeys(t.model_id for t in tasks))}
     return sorted(tasks, key=lambda t: order[t.model_id])  # stable: keeps the grid's order
