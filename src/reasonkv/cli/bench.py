@@ -198,7 +198,7 @@ def bench_command(
     if profiles:
         console.print(profile_table(profiles))
     if note := model_note(model_name):
-        console.print(f"[dim]{escape(note)}[/dim]", soft_wrap=True)
+        console.print(f"[dim]{escape(note)}[/dim]")
     load = machine.get("load_average") or []
     console.print(
         f"[dim]{record['wall_seconds']:.0f} s wall · {threads} torch threads · load average "
