@@ -85,6 +85,7 @@ def test_overrides_shrink_the_shape() -> None:
         ("random:qwen3-8b:layers=two", "layers must be a positive integer, got 'two'"),
         ("random:qwen3-8b:layers=0", "layers must be a positive integer"),
         ("random:qwen3-8b:layers=-1", "layers must be a positive integer"),
+        ("random:qwen3-8b:layers=\u00b2", "layers must be a positive integer"),
         ("random:qwen3-8b:layers=2,layers=3", "layers is given twice"),
         ("random:qwen3-8b:heads=6,kv_heads=4", r"heads \(6\) must be a multiple of kv_heads \(4\)"),
         ("random:qwen3-8b:head_dim=15", "head_dim must be even"),

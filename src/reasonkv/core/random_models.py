@@ -91,8 +91,9 @@ def is_random_model(name: object) -> bool:
 
 def random_shape(name: str) -> RandomShape:
     """The shape `random:<name>[:key=value,...]` names, overrides applied. An unknown name lists
-    the known ones; an unknown key, a bad value or heads that are not a multiple of kv_heads is a
-    one-line ValueError. Nothing is built."""
+    the known ones; an unknown or repeated key, a value that is not a positive integer, heads that
+    are not a multiple of kv_heads, an odd head_dim or a vocab below the tokenizer's is a one-line
+    ValueError. Nothing is built."""
     base, _, overrides = name.removeprefix(RANDOM_PREFIX).partition(":")
     if base not in RANDOM_MODELS:
         raise ValueError(f"unknown random model {base!r}; known: {', '.join(RANDOM_MODELS)}")
@@ -104,7 +105,7 @@ def random_shape(name: str) -> RandomShape:
             raise ValueError(
                 f"{name}: unknown override {key!r}; use key=value with keys {', '.join(OVERRIDES)}"
             )
-        if not eq or not value.isdigit() or int(value) <= 0:
+        if not eq or not (value.isascii() and value.isdigit()) or int(value) <= 0:
             raise ValueError(f"{name}: {key} must be a positive integer, got {value!r}")
         if key in changes:
             raise ValueError(f"{name}: {key} is given twice")
@@ -121,9 +122,8 @@ def random_shape(name: str) -> RandomShape:
     return shape
 
 
-def random_config(name: str, token_ids: dict[str, int | None] | None = None):
-    """The transformers config of `random:<name>[:overrides]` (sliding window off).
-    token_ids: bos_token_id / eos_token_id / pad_token_id to put in it (the tokenizer's)."""
+def random_config(name: str):
+    """The transformers config of `random:<name>[:overrides]` (sliding window off)."""
     from transformers import AutoConfig
 
     shape = random_shape(name)
@@ -143,7 +143,6 @@ def random_config(name: str, token_ids: dict[str, int | None] | None = None):
         rope_parameters=rope,
         use_sliding_window=False,
         sliding_window=None,
-        **(token_ids or {}),
     )
 
 
