@@ -1,7 +1,10 @@
 """Shared fixtures: tiny random models of every supported architecture, and the skip rules.
 
 Tiny models are built from configs in code (no hub), seeded and fp32, and cached per
-parameters so each is built once per session. `make_cache` switches a model to reasonkv's
+parameters so each is built once per session. They and the prompts of `random_prompt` and
+`left_pad` live on TEST_DEVICE: the CPU, unless REASONKV_TEST_DEVICE names another (e.g.
+`REASONKV_TEST_DEVICE=cuda`, for a device check; weights are made on the CPU and moved, so
+they are the same everywhere). `make_cache` switches a model to reasonkv's
 attention; that attention is exact plain attention without a CompressedCache, so a cached
 model still serves as its own DynamicCache reference (test_cache_equivalence proves it
 against a freshly built stock model).
@@ -29,7 +32,12 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from reasonkv.core.models import resolve_device
+
 torch.set_num_threads(1)
+
+TEST_DEVICE = resolve_device(os.environ.get("REASONKV_TEST_DEVICE") or "cpu")
+"""Where the tiny models and their prompts live (REASONKV_TEST_DEVICE; the CPU by default)."""
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 VOCAB = 128
@@ -92,7 +100,7 @@ def build_tiny_model(
     config = tiny_config(arch, kv_heads, init_range, **overrides)
     config._attn_implementation = attn
     torch.manual_seed(seed)
-    model = model_cls(config).eval()
+    model = model_cls(config).to(TEST_DEVICE).eval()
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.bos_token_id = config.bos_token_id
@@ -108,16 +116,16 @@ def tiny_model(arch: str, attn: str = "sdpa", kv_heads: int = 2) -> PreTrainedMo
 def random_prompt(length: int, seed: int, batch: int = 1) -> torch.Tensor:
     """[batch, length] token ids that are never the pad id."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(1, VOCAB, (batch, length), generator=gen)
+    return torch.randint(1, VOCAB, (batch, length), generator=gen).to(TEST_DEVICE)
 
 
 def left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad 1-D prompts into (input_ids, attention_mask), as a tokenizer would."""
     width = max(p.numel() for p in prompts)
-    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    ids = torch.full((len(prompts), width), PAD, dtype=torch.long, device=TEST_DEVICE)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long, device=TEST_DEVICE)
     for row, p in enumerate(prompts):
-        ids[row, width - p.numel() :] = p
+        ids[row, width - p.numel() :] = p.to(TEST_DEVICE)
         mask[row, width - p.numel() :] = 1
     return ids, mask
 

@@ -35,7 +35,7 @@ from reasonkv.cli.common import (
     progress_bar,
     split_list,
 )
-from reasonkv.core.models import DEFAULT_MODEL, load_model
+from reasonkv.core.models import DEFAULT_MODEL, load_model, model_note
 from reasonkv.harness import bench
 from reasonkv.harness.demo import PROBLEM
 from reasonkv.util.records import utc_timestamp, write_json_atomic
@@ -197,6 +197,8 @@ def bench_command(
     console.print(bench.memory_table(record))
     if profiles:
         console.print(profile_table(profiles))
+    if note := model_note(model_name):
+        console.print(f"[dim]{escape(note)}[/dim]")
     load = machine.get("load_average") or []
     console.print(
         f"[dim]{record['wall_seconds']:.0f} s wall · {threads} torch threads · load average "

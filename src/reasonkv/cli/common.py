@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from reasonkv.core.models import resolve_device, resolve_dtype
 from reasonkv.core.policy.knob import MAX_TOKENS
+from reasonkv.core.random_models import RANDOM_MODELS
 from reasonkv.harness.replay import ReplayRun
 from reasonkv.methods.api import make_cache
 from reasonkv.methods.knobs import check_budget, knobs_for_methods
@@ -33,7 +34,11 @@ console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
 
 USAGE_ERROR = 2
-MODEL_HELP = "Bundled name (smollm2-135m), local directory or .gguf file, or Hugging Face id."
+MODEL_HELP = (
+    "Bundled name (smollm2-135m), local directory or .gguf file, Hugging Face id, or "
+    f"random:NAME[:layers=2,hidden=64,...] ({', '.join(RANDOM_MODELS)}): a real model's shape with "
+    "random weights, for speed and memory work only, meaningless for fidelity."
+)
 
 # Options that several commands declare the same way (the default stays with each command).
 ModelOption = Annotated[str, typer.Option("--model", help=MODEL_HELP)]

@@ -16,6 +16,14 @@ from pathlib import Path
 
 import torch
 
+from reasonkv.core.random_models import (
+    RANDOM_MODELS,
+    build_random_model,
+    is_random_model,
+    random_config,
+    random_shape,
+)
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -26,9 +34,18 @@ MODEL_NOTES = {
 """What a model is, for the names that alone would mislead a reader of its results."""
 
 
+RANDOM_NOTE = "random weights in {shape}: for speed and memory work only, meaningless for fidelity"
+
+
 def model_note(model: str) -> str | None:
-    """One line on what the model is, to print beside its results (None: nothing to say)."""
+    """One line on what the model is, to print beside its results (None: nothing to say).
+    A `random:` model always gets one: its outputs are noise."""
     note = MODEL_NOTES.get(model)
+    if is_random_model(model):
+        try:
+            note = RANDOM_NOTE.format(shape=random_shape(model).display)
+        except ValueError:
+            note = RANDOM_NOTE.format(shape="a published model's shape")
     return None if note is None else f"model: {note}"
 
 
@@ -231,10 +248,11 @@ def load_model(
     """Load a causal LM and its tokenizer; refuse architectures reasonkv cannot compress.
 
     name_or_path: a bundled short name ("smollm2-135m"), a local directory or .gguf file,
-    or a Hugging Face model id. attn_implementation: "sdpa" or "eager" (make_cache later
-    swaps in reasonkv's version of the same backend). device: "auto" (CUDA when present, else
-    the CPU), cpu, cuda, cuda:N or mps; dtype: "auto" (bfloat16 on CUDA, float32 elsewhere),
-    float32, bfloat16 or float16. Both are checked before anything loads.
+    a Hugging Face model id, or `random:<name>[:key=value,...]` (a published shape with random
+    weights, see `reasonkv.core.random_models`). attn_implementation: "sdpa" or "eager"
+    (make_cache later swaps in reasonkv's version of the same backend). device: "auto" (CUDA
+    when present, else the CPU), cpu, cuda, cuda:N or mps; dtype: "auto" (bfloat16 on CUDA,
+    float32 elsewhere), float32, bfloat16 or float16. Both are checked before anything loads.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -242,6 +260,8 @@ def load_model(
     dtype = resolve_dtype(dtype, device)
     if attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f"attn_implementation must be 'sdpa' or 'eager', got {attn_implementation!r}")
+    if is_random_model(name_or_path):
+        return load_random_model(name_or_path, dtype, attn_implementation, device)
     if name_or_path in BUNDLED_GGUF:
         path = bundled_gguf_path(name_or_path)
         source, gguf_file = str(path.parent), path.name
@@ -253,7 +273,7 @@ def load_model(
         if not os.path.exists(source) and "/" not in source:
             raise FileNotFoundError(
                 f"model {source!r} is neither a bundled name ({', '.join(BUNDLED_GGUF)}), a local path, "
-                "nor a Hugging Face id (org/name)"
+                f"a Hugging Face id (org/name), nor random:NAME ({', '.join(RANDOM_MODELS)})"
             )
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
@@ -277,7 +297,38 @@ def load_model(
     model.to(device).eval()
     if getattr(model.config, "name_or_path", None) in (None, "", source):
         model.config.name_or_path = name_or_path if name_or_path in BUNDLED_GGUF else source
+    return model, _left_padding(tokenizer)
+
+
+def _left_padding(tokenizer):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_random_model(
+    name: str,
+    dtype: torch.dtype | str | None = "auto",
+    attn_implementation: str = "sdpa",
+    device: str | torch.device | None = "auto",
+    seed: int = 0,
+):
+    """`random:<name>[:key=value,...]`: the shape built on `device` in `dtype` with seeded random
+    weights (nothing downloaded), and the bundled default model's tokenizer (SmolLM2's, 49,152
+    tokens, which fit in every random vocabulary; ids the model writes above them decode to
+    nothing). The name is checked before anything loads."""
+    from transformers import AutoTokenizer
+
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    config = random_config(name)
+    check_supported(config)
+    path = bundled_gguf_path(DEFAULT_MODEL)
+    tokenizer = _left_padding(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    model = build_random_model(config, device, dtype, attn_implementation, seed)
+    model.config.name_or_path = name
     return model, tokenizer

@@ -1,0 +1,107 @@
+"""Markdown tables of `reasonkv bench` results, for the docs and the device check.
+
+For each JSON file `reasonkv bench --out` wrote: a line on what ran (model, its note, prompt,
+versions, wall time), a summary with one row per run (speed over the first and last window,
+K/V bytes at the longest length, the cache's peak K/V, scoring share, top-1 agreement; ratios
+to the full cache), and one row per run at each length mark (tok/s over the window that ends
+there, K/V bytes there).
+
+    python benchmarks/bench_table.py out/bench.json > out/bench.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from reasonkv.core.models import model_note
+from reasonkv.util.formatting import format_bytes, format_or_dash
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    align = ["---"] + ["---:"] * (len(header) - 1)
+    return [_row(header), _row(align), *(_row(r) for r in rows)]
+
+
+def _window_ending_at(run: dict, tokens: int) -> dict:
+    """The last tokens/s window that ends at or before `tokens` generated tokens."""
+    before = [w for w in run["windows"] if w["end"] <= tokens]
+    return before[-1] if before else run["windows"][0]
+
+
+def summary_rows(record: dict) -> list[list[str]]:
+    rows = []
+    for r in record["runs"]:
+        ratios = r.get("ratios", {})
+        last = r["marks"][-1] if r["marks"] else {}
+        rows.append(
+            [
+                r["label"],
+                f"{r['windows'][0]['tokens_per_second']:.1f}",
+                f"{r['windows'][-1]['tokens_per_second']:.1f}",
+                format_or_dash((ratios.get("windows") or [None])[-1], ".2f"),
+                format_bytes(last.get("kv_bytes")),
+                format_or_dash((ratios.get("kv_bytes") or [None])[-1], ".3f"),
+                format_bytes(r.get("peak_kv_bytes")),
+                f"{100 * r['score_select_fraction']:.1f} %",
+                format_or_dash(r.get("top1_agreement"), ".3f"),
+            ]
+        )
+    return rows
+
+
+def length_rows(record: dict) -> list[list[str]]:
+    rows = []
+    for r in record["runs"]:
+        cells = [r["label"]]
+        for mark in r["marks"]:
+            window = _window_ending_at(r, mark["tokens"])
+            cells.append(f"{window['tokens_per_second']:.1f} tok/s · {format_bytes(mark['kv_bytes'])}")
+        rows.append(cells)
+    return rows
+
+
+def markdown(record: dict, source: str = "") -> str:
+    """The tables of one bench record, as Markdown."""
+    lengths = record["lengths"]
+    machine = record.get("machine", {})
+    lines = [f"### `{record['model']}`" + (f" ({source})" if source else ""), ""]
+    if note := model_note(record["model"]):
+        lines += [f"*{note}.*", ""]
+    lines += [
+        f"Prompt {record['prompt_tokens']} tokens + {lengths[-1]} forced tokens, windows of "
+        f"{record['window']} steps; {record.get('wall_seconds', 0):.0f} s wall; torch "
+        f"{machine.get('torch', '?')}, transformers {machine.get('transformers', '?')}.",
+        "",
+        f"`{record['command']}`",
+        "",
+    ]
+    header = ["run", "tok/s first", "tok/s last", "× full", f"K/V at {lengths[-1]}", "× full", "peak K/V"]
+    lines += _table(header + ["score+select", "top-1"], summary_rows(record))
+    lines += ["", "tok/s over the window ending at each length, and K/V bytes there:", ""]
+    lines += _table(["run", *(str(n) for n in lengths)], length_rows(record))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", type=Path, help="bench JSON files (reasonkv bench --out)")
+    args = parser.parse_args(argv)
+    parts = []
+    for path in args.files:
+        record = json.loads(path.read_text())
+        if record.get("kind") != "bench":
+            parser.error(f"{path} is not a `reasonkv bench` result (kind={record.get('kind')!r})")
+        parts.append(markdown(record, path.name))
+    sys.stdout.write("\n".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

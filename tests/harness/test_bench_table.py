@@ -1,0 +1,40 @@
+"""benchmarks/bench_table.py: Markdown tables of a `reasonkv bench` record (the device check's)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORD = ROOT / "docs" / "performance-data" / "8k" / "bench.json"
+
+
+def bench_table():
+    """The script as a module (it is not part of the package)."""
+    spec = importlib.util.spec_from_file_location("bench_table", ROOT / "benchmarks" / "bench_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_tables_of_the_8k_run_match_the_docs() -> None:
+    text = bench_table().markdown(json.loads(RECORD.read_text()), "bench.json")
+    # The same numbers as docs/performance.md's table of this run.
+    assert "| streaming@512 | 14.1 | 13.1 | 1.54 | 23.2 MiB | 0.063 |" in text
+    assert "| full | 15.4 | 8.5 | 1.00 | 366.7 MiB | 1.000 |" in text
+    assert "| run | 1024 | 2048 | 4096 | 8192 |" in text
+    assert "| full | 15.4 tok/s · 50.5 MiB |" in text
+    assert "*model: SmolLM2-135M-Instruct" in text
+
+
+def test_a_random_model_gets_its_note_and_other_files_are_refused(tmp_path, capsys) -> None:
+    record = json.loads(RECORD.read_text()) | {"model": "random:qwen3-8b"}
+    assert "random weights in Qwen3-8B's shape" in bench_table().markdown(record)
+    other = tmp_path / "replay.json"
+    other.write_text(json.dumps({"kind": "replay"}))
+    with pytest.raises(SystemExit):
+        bench_table().main([str(other)])
+    assert "is not a `reasonkv bench` result" in capsys.readouterr().err
