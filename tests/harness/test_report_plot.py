@@ -172,3 +172,16 @@ def test_budget_columns_sit_at_their_steps_and_one_event_layers_draw(tmp_path) -
         warnings.simplefilter("error")  # matplotlib's "identical low and high xlims" among them
         assert plot_head_budgets(record, tmp_path / "b.png").stat().st_size > 1000
         assert plot_head_budgets(record, tmp_path / "one.png", layers=[1]).stat().st_size > 1000
+
+
+def test_units_run_in_another_dtype_or_device_get_their_own_section() -> None:
+    fp32 = _replay("snapkv", 64, 0.3, live=64)
+    bf16 = _replay("snapkv", 64, 0.5, live=64)
+    bf16["key"], bf16["config"] = "k-bf16", {**bf16["config"], "dtype": "bfloat16"}
+    gpu = _replay("snapkv", 64, 0.4, live=64)
+    gpu["key"], gpu["config"] = "k-gpu", {**gpu["config"], "device": "cuda", "dtype": "bfloat16"}
+    sections = summarize_results([fp32, bf16, gpu])
+    assert {s.model for s in sections} == {"smollm2-135m"}  # its note still found by name
+    assert [s.placement for s in sections] == ["", "bfloat16", "cuda, bfloat16"]
+    assert sections[2].title == "replay fidelity · smollm2-135m (cuda, bfloat16) · d"
+    assert [len(s.rows) for s in sections] == [1, 1, 1]

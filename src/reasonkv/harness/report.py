@@ -31,11 +31,14 @@ class Section:
     model: str
     dataset: str
     rows: list[dict] = field(default_factory=list)
+    placement: str = ""
+    """The device and dtype, where a sweep ran the model on other than the defaults (cpu, fp32)."""
 
     @property
     def title(self) -> str:
         what = "replay fidelity" if self.kind == "replay" else "accuracy"
-        return f"{what} · {self.model} · {self.dataset}"
+        model = f"{self.model} ({self.placement})" if self.placement else self.model
+        return f"{what} · {model} · {self.dataset}"
 
 
 def load_records(paths: Iterable[str | Path]) -> tuple[list[dict], int]:
@@ -109,21 +112,27 @@ def _eval_row(units: list[dict]) -> dict:
     }
 
 
+def _placement(config: dict) -> str:
+    """The device and dtype a sweep ran the model on where not the defaults (a sweep config
+    holds them only then): a bf16 or GPU run gets its own section, never pooled with fp32 CPU units."""
+    return ", ".join(config[k] for k in ("device", "dtype") if k in config)
+
+
 def summarize_results(records: list[dict]) -> list[Section]:
     """Sections by (kind, model, dataset) in first-seen order; rows by method (first-seen
     order) then budget (none first, ascending)."""
     sections: dict[tuple, dict[tuple, list[dict]]] = {}
     for r in records:
         c = r["config"]
-        rows = sections.setdefault((c["kind"], c["model"], c["dataset"]), {})
+        rows = sections.setdefault((c["kind"], c["model"], c["dataset"], _placement(c)), {})
         rows.setdefault((c["method"], c.get("budget"), _knobs_id(c.get("knobs", {}))), []).append(r)
     out = []
-    for (kind, model, dataset), groups in sections.items():
+    for (kind, model, dataset, placement), groups in sections.items():
         method_order = {m: i for i, m in enumerate(dict.fromkeys(k[0] for k in groups))}
         settings_of: dict[str, set] = {}
         for method, _, knobs in groups:
             settings_of.setdefault(method, set()).add(knobs)
-        section = Section(kind, model, dataset)
+        section = Section(kind, model, dataset, placement=placement)
         knob_order = {k: i for i, k in enumerate(dict.fromkeys(k[2] for k in groups))}
         keys = sorted(
             groups, key=lambda k: (method_order[k[0]], k[1] is not None, k[1] or 0, knob_order[k[2]])
@@ -264,7 +273,8 @@ def plot_name(section: Section, sections: list[Section]) -> str:
     base = "fidelity" if section.kind == "replay" else "accuracy"
     if sum(s.kind == section.kind for s in sections) == 1:
         return f"{base}.png"
-    return f"{base}-{_slug(section.model)}-{_slug(section.dataset)}.png"
+    where = f"-{_slug(section.placement)}" if section.placement else ""
+    return f"{base}-{_slug(section.model)}{where}-{_slug(section.dataset)}.png"
 
 
 def write_report(sections: list[Section], out_dir: str | Path, sources: list[str]) -> dict:
