@@ -89,8 +89,13 @@ def test_memory_stays_bounded_over_300_decode_steps(method: str) -> None:
     assert final["kv_bytes"] < full_storage
 
 
+# Quantized storage groups slots, and left padding shifts a row's slots, so a padded row is
+# quantized in other groups than alone: close, not token for token (tests/core/test_quantized_cache).
+UNQUANTIZED = [m for m in METHODS if reasonkv.get_method(m).knobs().get("kv_bits", 16) == 16]
+
+
 @pytest.mark.parametrize("attn", ("sdpa", "eager"))
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", UNQUANTIZED)
 def test_left_padded_batch_equals_rows_alone(method: str, attn: str) -> None:
     model = tiny_model("qwen2", attn, 2)
     rows = [random_prompt(n, seed=30 + n)[0] for n in (5, 17, 11)]
