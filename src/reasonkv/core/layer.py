@@ -376,8 +376,9 @@ class CompressedLayer(CacheLayerMixin):
                 self.live_upper = int(storage.n_valid.sum(-1).max())
                 return
         slots, new_len = select_tokens(scores, index, keep, protected)
-        if self.low_tier is not None:
-            self._to_low_tier(evicted(index, slots), None, scores)
+        live = (
+            None if self.low_tier is None else self._to_low_tier(evicted(index, slots), None, scores, new_len)
+        )
         holes = storage.used - slots.shape[-1]  # slots not kept by the longest head
         if holes <= hole_slots and room:
             with self.timer.section("holes"):
@@ -386,25 +387,31 @@ class CompressedLayer(CacheLayerMixin):
             capacity = slots.shape[-1] + min(self._slack() + hole_slots, GROWTH_CHUNK)
             with self.timer.section("compact"):
                 storage.compact(slots, new_len, capacity)
-        self.live_upper = int(new_len.sum(-1).max())
+        self.live_upper = int(new_len.sum(-1).max()) if live is None else live
 
-    def _to_low_tier(self, index: torch.Tensor, victim: torch.Tensor | None, scores: torch.Tensor) -> None:
-        """Hand the evicted tokens `index` [B, H, E] (EMPTY: none) to the low tier: with
-        `victim` [B, H, 1] (an every-step eviction, slot `used` = none) that one slot per head,
-        else every slot (E = used), before the storage drops them."""
-        storage = self.storage
+    def _to_low_tier(
+        self, index: torch.Tensor, victim: torch.Tensor | None, scores: torch.Tensor, new_len=None
+    ) -> int | None:
+        """Hand the evicted tokens `index` [B, H, E] (EMPTY: none) to the low tier, before the
+        storage drops them: with `victim` [B, H, 1] (an every-step eviction, slot `used` =
+        none) that one slot per head; else every slot (E = used), and the tier is trimmed to
+        its fullest head, read in the same host read as the main tier's live bound (returned)."""
+        storage, tier = self.storage, self.low_tier
         keys, values = storage.read_keys(), storage.read_values()
         with self.timer.section("low_tier"):
             if victim is None:
-                self.low_tier.feed(keys, values, index, scores)
-                return
+                fullest = (tier.n_tokens + (index != EMPTY).sum(-1)).max()
+                fill, live = torch.stack([fullest, new_len.sum(-1).max()]).tolist()
+                tier.feed(keys, values, index, scores, fill=fill)
+                return live
             index = index.masked_fill(victim >= storage.used, EMPTY)
             slot = victim.clamp(max=storage.used - 1)
 
             def pick(t: torch.Tensor) -> torch.Tensor:
                 return t.gather(2, slot[..., None].expand(-1, -1, -1, t.shape[-1]))
 
-            self.low_tier.feed(pick(keys), pick(values), index, scores.gather(2, slot), trim=False)
+            tier.feed(pick(keys), pick(values), index, scores.gather(2, slot))
+            return None
 
     def kv_bytes(self, at_16bit: bool = False) -> int:
         """K/V bytes held between steps: the main storage's and the low tier's."""

@@ -104,12 +104,13 @@ class LowTier:
         values: torch.Tensor,
         index: torch.Tensor,
         scores: torch.Tensor,
-        trim: bool = True,
+        fill: int | None = None,
     ) -> None:
         """Take the tokens of `index` [B, H, E] (EMPTY: not one) with their keys and values
-        [B, H, E, D] and eviction scores [B, H, E]; keep the best `budget` per head. `trim`
-        shrinks the slots to the fullest head (one host read); without it they grow to at
-        most `budget` (every-step schedules feed one token a step and read nothing)."""
+        [B, H, E, D] and eviction scores [B, H, E]; keep the best `budget` per head. `fill`
+        (the most real tokens a head holds after the merge, read by the caller) trims the
+        slots to it; None keeps all slots up to `budget` and reads nothing (every-step
+        schedules feed one token a step: the slots grow by one until the budget)."""
         if index.shape[2] == 0:
             return
         new_k = quantize(keys, self.bits, self.group, 3)
@@ -122,9 +123,7 @@ class LowTier:
             transient += [*_parts(new_k), *_parts(new_v)]
         all_index = torch.cat([self.token_index, index], 2)
         all_scores = torch.cat([self.scores, scores.float()], 2)
-        n = min(self.budget, all_index.shape[2])
-        if trim:
-            n = min(n, int((all_index != EMPTY).sum(-1).max()))
+        n = min(self.budget, all_index.shape[2], all_index.shape[2] if fill is None else fill)
         top = rank(all_scores, all_index)[..., :n]
         top = top.gather(-1, all_index.gather(-1, top).argsort(dim=-1, stable=True))  # positional order
         self._set(_gather(new_k, top), _gather(new_v, top))
