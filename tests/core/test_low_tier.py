@@ -10,7 +10,7 @@ from conftest import HEAD_DIM, left_pad, random_prompt, tiny_model
 from reasonkv.core.low_tier import LowTier, rank
 from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.base import EMPTY
-from reasonkv.core.quantize import KVFormat
+from reasonkv.core.quantize import KVFormat, dequantize, quantize
 from reasonkv.methods.api import make_cache
 from reasonkv.methods.knobs import KnobError, check_knobs
 from reasonkv.methods.registry import get_method
@@ -117,9 +117,16 @@ def test_dequantized_low_tier_keys_and_values_are_within_the_format_bound(bits) 
         bound = (g.amax(-1) - g.amin(-1)) / (2**bits - 1) / 2
         err = (got - x).abs().unflatten(-1, (HEAD_DIM // 4, 4)).amax(-1)
         assert bool((err <= bound * (1 + 1e-5) + 1e-6).all())
-    # Per-token key groups cost the outlier's group: measured, not assumed small.
-    rel = float((got_k - keys).norm() / keys.norm())
-    assert rel < {8: 0.005, 4: 0.08, 2: 0.4}[bits], rel
+    # What per-token key groups cost: the channels that share a group with the outlier lose
+    # its range. Measured on the other channels, against per-channel groups of 4 tokens (the
+    # main tier's layout): 0.8% vs 0.2% at 8 bits, 13% vs 3% at 4, 43% vs 15% at 2.
+    normal = torch.arange(HEAD_DIM) != 3
+    per_channel = dequantize(quantize(keys, bits, 4, 2))
+
+    def rel(x: torch.Tensor) -> float:
+        return float((x - keys)[..., normal].norm() / keys[..., normal].norm())
+
+    assert rel(per_channel) < rel(got_k) < {8: 0.01, 4: 0.15, 2: 0.5}[bits]
 
 
 # ---------------------------------------------------------------- in a cache
