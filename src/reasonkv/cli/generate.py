@@ -32,7 +32,7 @@ from reasonkv.cli.common import (
 )
 from reasonkv.core.models import DEFAULT_MODEL, load_model
 from reasonkv.core.policy.knob import MAX_TOKENS
-from reasonkv.core.quantize import KVFormat
+from reasonkv.core.quantize import LOW_TIER_KNOBS, KVFormat
 from reasonkv.harness.demo import memory_summary, run_demo
 from reasonkv.harness.runs import record_all_events, run_record, save_run
 from reasonkv.methods.api import GREEDY, make_cache
@@ -55,10 +55,16 @@ def describe_schedule(spec: MethodSpec) -> str:
 
 def format_knobs(spec: MethodSpec) -> str:
     """The method's knobs with their defaults; the storage knobs only where the method sets
-    them (every method has them, and at 16 bits they change nothing)."""
-    hidden = {f.name: f.default for f in dataclasses.fields(KVFormat)}
-    shown = {k: v for k, v in spec.knobs().items() if k not in hidden or spec.knobs()["kv_bits"] != 16}
-    return " ".join(f"{k}={v}" for k, v in shown.items())
+    them (every method has them, and at 16 bits or without a low tier they change nothing)."""
+    knobs = spec.knobs()
+    storage = {f.name for f in dataclasses.fields(KVFormat)}
+
+    def shown(name: str) -> bool:
+        if name in LOW_TIER_KNOBS:
+            return knobs["low_budget"] != 0
+        return name not in storage or knobs["kv_bits"] != 16
+
+    return " ".join(f"{k}={v}" for k, v in knobs.items() if shown(k))
 
 
 def _compact_rule(spec: MethodSpec, name: str) -> str:

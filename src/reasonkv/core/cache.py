@@ -323,7 +323,8 @@ class CompressedCache(Cache):
         included), kv_bytes_16bit and peak_kv_bytes_16bit (the same with floating-point
         elements at 16 bits, as served in bf16/fp16), event_bytes (host memory of the recorded
         events, an estimate), total_bytes (physical_bytes + event_bytes: the cache's whole footprint),
-        live_tokens [layers, kv_heads] (per batch row, [B, L, H], when B > 1), seen_tokens."""
+        live_tokens [layers, kv_heads] (per batch row, [B, L, H], when B > 1), low_tier_tokens
+        (the same for the low tier; None without one), seen_tokens. K/V bytes count both tiers."""
         events = self.event_log.nbytes()
         layers = [layer for layer in self.layers if layer.is_initialized and layer.storage.allocated]
         if not layers:
@@ -336,12 +337,15 @@ class CompressedCache(Cache):
                 "event_bytes": events,
                 "total_bytes": events,
                 "live_tokens": None,
+                "low_tier_tokens": None,
                 "seen_tokens": 0,
             }
-        kv = sum(layer.storage.kv_bytes() for layer in layers)
-        kv_16bit = sum(layer.storage.kv_bytes_16bit() for layer in layers)
+        kv = sum(layer.kv_bytes() for layer in layers)
+        kv_16bit = sum(layer.kv_bytes(at_16bit=True) for layer in layers)
         total = sum(t.numel() * t.element_size() for layer in layers for t in layer.tensors())
         live = torch.stack([layer.n_valid.cpu() for layer in layers], dim=1)  # [B, L, H]
+        low = [layer.low_tier_tokens for layer in layers]
+        low = None if low[0] is None else torch.stack([n.cpu() for n in low], dim=1)
         return {
             "physical_bytes": total,
             "kv_bytes": kv,
@@ -351,6 +355,7 @@ class CompressedCache(Cache):
             "event_bytes": events,
             "total_bytes": total + events,
             "live_tokens": live[0] if live.shape[0] == 1 else live,
+            "low_tier_tokens": None if low is None else low[0] if low.shape[0] == 1 else low,
             "seen_tokens": layers[0].seen,
         }
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from reasonkv.core.low_tier import LowTier, evicted
 from reasonkv.core.memory_meter import MemoryMeter
-from reasonkv.core.policy.base import Observation
+from reasonkv.core.policy.base import EMPTY, Observation
 from reasonkv.core.policy.contract import HeadAllocator, PolicyState, Scorer, SplitRequest
 from reasonkv.core.policy.selection import evict_one, protected_mask, select_tokens
 from reasonkv.core.quantized_storage import QuantizedKVStorage
@@ -136,7 +137,10 @@ class CompressedLayer(CacheLayerMixin):
     def _reset_state(self) -> None:
         if getattr(self, "storage", None) is not None:
             self.storage.release()
+        if getattr(self, "low_tier", None) is not None:
+            self.low_tier.release()
         self.storage: KVStorage | None = None
+        self.low_tier: LowTier | None = None  # what eviction drops, at low_bits (KVFormat.low_budget)
         self.window = QueryWindow()
         self.states = PolicyStates()
         self._states_made = False
@@ -166,6 +170,8 @@ class CompressedLayer(CacheLayerMixin):
             self.storage = QuantizedKVStorage(b, h, self.device, fmt, names, self.meter)
         else:
             self.storage = KVStorage(b, h, self.device, names, self.meter)
+        if fmt is not None and fmt.low_budget:
+            self.low_tier = LowTier(b, h, self.device, fmt, self.meter)
         self.budgets = self.budgets.to(self.device)
         self.targets = torch.tensor(self.plan.targets, device=self.device)
         self.compressions = torch.zeros(b, dtype=torch.long, device=self.device)
@@ -245,6 +251,8 @@ class CompressedLayer(CacheLayerMixin):
         self.live_upper += q * storage.lengths.shape[1]
         self.new_start, self.seen = self.seen, self.seen + q
         self.pending = True
+        if self.low_tier is not None:  # attention reads both tiers; the scorers, the main one
+            return self.low_tier.attended(storage.read_keys(), storage.read_values())
         return storage.read_keys(), storage.read_values()
 
     # --------------------------------------------------------- 2. before attention
@@ -261,6 +269,8 @@ class CompressedLayer(CacheLayerMixin):
         )
         with self.timer.section("mask"):
             mask = storage.attention_mask(query_index)
+            if self.low_tier is not None:
+                mask = self.low_tier.attention_mask(mask, self.token_index, query_index)
         return mask, mask is None and q == storage.used and q > 1  # a fresh prefill
 
     # ---------------------------------------------------------- 3. after attention
@@ -268,6 +278,8 @@ class CompressedLayer(CacheLayerMixin):
         with self.timer.section("after_attention"):
             self._after_attention(query, positions, scaling)
             self.storage.settle()
+            if self.low_tier is not None:
+                self.low_tier.drop_view()
 
     def _after_attention(self, query: torch.Tensor, positions: torch.Tensor | None, scaling: float) -> None:
         self.pending = False
@@ -357,11 +369,16 @@ class CompressedLayer(CacheLayerMixin):
             most_dropped, longest = torch.stack([drop.max(), (storage.n_valid - drop).max()]).tolist()
             if most_dropped <= 1 and storage.used - longest <= hole_slots:
                 victim = evict_one(scores, index, protected, drop > 0)
+                if self.low_tier is not None:
+                    self._to_low_tier(index.gather(2, victim.clamp(max=storage.used - 1)), victim, scores)
                 with self.timer.section("holes"):
                     storage.evict_slot(victim)
                 self.live_upper = int(storage.n_valid.sum(-1).max())
                 return
         slots, new_len = select_tokens(scores, index, keep, protected)
+        live = (
+            None if self.low_tier is None else self._to_low_tier(evicted(index, slots), None, scores, new_len)
+        )
         holes = storage.used - slots.shape[-1]  # slots not kept by the longest head
         if holes <= hole_slots and room:
             with self.timer.section("holes"):
@@ -370,7 +387,46 @@ class CompressedLayer(CacheLayerMixin):
             capacity = slots.shape[-1] + min(self._slack() + hole_slots, GROWTH_CHUNK)
             with self.timer.section("compact"):
                 storage.compact(slots, new_len, capacity)
-        self.live_upper = int(new_len.sum(-1).max())
+        self.live_upper = int(new_len.sum(-1).max()) if live is None else live
+
+    def _to_low_tier(
+        self, index: torch.Tensor, victim: torch.Tensor | None, scores: torch.Tensor, new_len=None
+    ) -> int | None:
+        """Hand the evicted tokens `index` [B, H, E] (EMPTY: none) to the low tier, before the
+        storage drops them: with `victim` [B, H, 1] (an every-step eviction, slot `used` =
+        none) that one slot per head; else every slot (E = used), and the tier is trimmed to
+        its fullest head, read in the same host read as the main tier's live bound (returned)."""
+        storage, tier = self.storage, self.low_tier
+        keys, values = storage.read_keys(), storage.read_values()
+        with self.timer.section("low_tier"):
+            if victim is None:
+                fullest = (tier.n_tokens + (index != EMPTY).sum(-1)).max()
+                fill, live = torch.stack([fullest, new_len.sum(-1).max()]).tolist()
+                tier.feed(keys, values, index, scores, fill=fill)
+                return live
+            index = index.masked_fill(victim >= storage.used, EMPTY)
+            slot = victim.clamp(max=storage.used - 1)
+
+            def pick(t: torch.Tensor) -> torch.Tensor:
+                return t.gather(2, slot[..., None].expand(-1, -1, -1, t.shape[-1]))
+
+            tier.feed(pick(keys), pick(values), index, scores.gather(2, slot))
+            return None
+
+    def kv_bytes(self, at_16bit: bool = False) -> int:
+        """K/V bytes held between steps: the main storage's and the low tier's."""
+        tiers = [self.storage] + ([] if self.low_tier is None else [self.low_tier])
+        return sum(t.kv_bytes_16bit() if at_16bit else t.kv_bytes() for t in tiers)
+
+    def live_kv_bytes(self) -> float:
+        """Bytes of the real tokens held, both tiers, at what each one costs stored."""
+        low = 0.0 if self.low_tier is None else self.low_tier.live_kv_bytes()
+        return self.storage.live_kv_bytes() + low
+
+    @property
+    def low_tier_tokens(self) -> torch.Tensor | None:
+        """[B, H] real tokens in the low tier (None without one)."""
+        return None if self.low_tier is None else self.low_tier.n_tokens
 
     # ----------------------------------------------------------- bookkeeping
     def get_seq_length(self) -> int:
@@ -391,6 +447,8 @@ class CompressedLayer(CacheLayerMixin):
         """Keep batch rows `rows` [B'] (beam search reorders, repeats or drops them)."""
         rows = rows.to(self.device)
         self.storage.select_rows(rows)
+        if self.low_tier is not None:
+            self.low_tier.select_rows(rows)
         self.compressions = self.compressions.index_select(0, rows)
         self.window.select_rows(rows)
         self.states.select_rows(rows)
@@ -418,6 +476,8 @@ class CompressedLayer(CacheLayerMixin):
         if self.storage is None:
             return []
         out = self.storage.tensors() + self.window.tensors() + [self.compressions]
+        if self.low_tier is not None:
+            out += self.low_tier.tensors()
         for state in (self.states.scorer, self.states.schedule, self.states.head_allocator):
             if state is not None:
                 out += [v for v in vars(state).values() if isinstance(v, torch.Tensor)]

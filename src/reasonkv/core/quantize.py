@@ -20,6 +20,9 @@ import torch
 
 from reasonkv.core.policy.knob import MAX_TOKENS, knob, tokens
 
+LOW_TIER_KNOBS = ("low_budget", "low_bits", "low_group_size")
+"""The storage knobs of the low tier (see `KVFormat`)."""
+
 BITS = (8, 4, 2)
 """The code widths the quantizer packs (16 means: not quantized, see `KVFormat`)."""
 
@@ -150,11 +153,19 @@ class KVFormat:
     point per group; the newest `residual` tokens (at least) stay in full precision and move
     to the quantized part a group at a time. The residual is 32, not KIVI's 128: eviction
     budgets here are 64-512 tokens, and 128 would keep a budget-128 cache unquantized.
+
+    low_budget > 0 adds a low tier (core/low_tier.py): the tokens eviction drops go there,
+    `low_budget` per KV head, each token's keys and values at `low_bits` over groups of
+    `low_group_size` channels (None: group_size), and leave the cache only when the tier
+    is full and they are the lowest-scoring of it. 0 (the default) is no low tier.
     """
 
     kv_bits: Literal[16, 8, 4, 2] = 16
     group_size: int = knob(16, ge=1, le=1024)
     residual: int = tokens(32, minimum=0)
+    low_budget: int = tokens(0, minimum=0)
+    low_bits: Literal[8, 4, 2] = 2
+    low_group_size: int | None = knob(None, ge=1, le=1024)
 
     def __post_init__(self) -> None:
         if self.kv_bits != 16:
@@ -165,10 +176,22 @@ class KVFormat:
             )
         if self.residual > MAX_TOKENS:
             raise ValueError(f"residual must be at most 10^9 tokens, got {self.residual}")
+        check_bits(self.low_bits)
+        if self.low_budget < 0:
+            raise ValueError(f"low_budget must be a number of tokens >= 0, got {self.low_budget}")
+        if self.low_group & (self.low_group - 1) or self.low_group < 1:
+            raise ValueError(
+                f"low_group_size must be a power of two (it divides the head dim), got {self.low_group}"
+            )
 
     @property
     def quantized(self) -> bool:
         return self.kv_bits != 16
+
+    @property
+    def low_group(self) -> int:
+        """Channels per group of the low tier (low_group_size, or group_size when it is None)."""
+        return self.group_size if self.low_group_size is None else self.low_group_size
 
     def check_head_dim(self, head_dim: int) -> None:
         """Refuse a head dim the value groups (and the packing) cannot split."""
@@ -176,4 +199,9 @@ class KVFormat:
             raise ValueError(
                 f"group_size {self.group_size} must divide the model's head dim ({head_dim}): values "
                 "are quantized per token in groups of group_size channels"
+            )
+        if self.low_budget and head_dim % self.low_group:
+            raise ValueError(
+                f"low_group_size {self.low_group} must divide the model's head dim ({head_dim}): the "
+                "low tier quantizes keys and values per token in groups of low_group_size channels"
             )

@@ -9,9 +9,9 @@ _NULL = contextlib.nullcontext()
 
 class StepTimer:
     """The cache opens `section(name)` around each part of a step: update, mask,
-    after_attention, on_step, utility, score, split, compress, compact, holes (sections nest: compress
-    contains compact or holes). This default times nothing; a benchmark sets its own on the
-    cache (`cache.timer = ...`)."""
+    after_attention, on_step, utility, score, split, compress, compact, holes, low_tier
+    (sections nest: compress contains compact or holes, and low_tier with a two-tier cache).
+    This default times nothing; a benchmark sets its own on the cache (`cache.timer = ...`)."""
 
     def section(self, name: str) -> contextlib.AbstractContextManager:
         return _NULL

@@ -57,7 +57,7 @@ class _KVMeter(StoppingCriteria):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
         mem = self.cache.memory()
         layers = [x for x in self.cache.layers if x.is_initialized and x.storage.allocated]
-        live = sum(x.storage.live_kv_bytes() for x in layers)
+        live = sum(x.live_kv_bytes() for x in layers)
         self.samples.append((mem["kv_bytes"] / self.rows, live / self.rows))
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 

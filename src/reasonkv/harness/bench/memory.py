@@ -48,6 +48,6 @@ def cache_bytes(cache: CompressedCache) -> tuple[int, int]:
     for layer in cache.layers:
         if not layer.is_initialized or not layer.storage.allocated:
             continue
-        kv += layer.storage.kv_bytes()
+        kv += layer.kv_bytes()
         total += sum(t.numel() * t.element_size() for t in layer.tensors())
     return kv, total
