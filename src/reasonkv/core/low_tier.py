@@ -2,8 +2,9 @@
 
 With `KVFormat.low_budget > 0` every layer keeps, beside its main storage, a `LowTier`: up
 to `low_budget` tokens per KV head that the scorer evicted from the main tier. A token
-leaves the cache only when it falls out of this tier. The main tier does not change: its
-budgets, scorers, schedule and slots are what they are without a low tier.
+leaves the cache only when it falls out of this tier. The main tier keeps its budgets,
+scorers and schedule; past layer 0 it keeps other tokens than without a low tier, since
+attention now reads the low tier too and deeper layers see other inputs.
 
 - **What comes in.** At each compression the layer hands over the evicted tokens' keys and
   values as the main tier holds them (full precision, or dequantized when kv_bits < 16),

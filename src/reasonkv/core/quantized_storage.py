@@ -96,6 +96,7 @@ class QuantizedKVStorage(KVStorage):
         self.min_len = 0  # a lower bound of the shortest head's length (a python int)
         self._view: tuple[torch.Tensor, torch.Tensor] | None = None
         self._view_owned = False  # is the view a dequantized copy (metered), not residual slices?
+        self._stale: tuple[torch.Tensor, torch.Tensor] | None = None  # a retired view, still held
         self._index_cap = 0
         super().__init__(batch, heads, device, state_names, meter)
 
@@ -138,8 +139,19 @@ class QuantizedKVStorage(KVStorage):
         return self._read()[1]
 
     def _drop_view(self) -> None:
+        """End of a step (or a new write): the dequantized views go."""
+        self._retire_view()
+        if self._stale is not None:
+            self.meter.remove(*self._stale)
+            self._stale = None
+
+    def _retire_view(self) -> None:
+        """Reads stop using the view (the layout changes), but this step's attention and scorer
+        still hold its tensors until the step ends: it stays in the meter until `_drop_view`."""
         if self._view is not None and self._view_owned:  # a view of the residual alone is no copy
-            self.meter.remove(*self._view)
+            if self._stale is not None:
+                self.meter.remove(*self._stale)
+            self._stale = self._view
         self._view = None
         self._view_owned = False
 
@@ -241,7 +253,7 @@ class QuantizedKVStorage(KVStorage):
         keys = keys.gather(2, safe[..., None].expand(-1, -1, -1, keys.shape[-1]))
         values = values.gather(2, safe[..., None].expand(-1, -1, -1, values.shape[-1]))
         self.meter.add(keys, values)  # the gathered copy lives until the new layout is stored
-        self._drop_view()
+        self._retire_view()
 
         def gather(src: torch.Tensor, fill) -> torch.Tensor:
             out = src.new_full((b, h, capacity), fill)
