@@ -27,6 +27,7 @@ from reasonkv.cli.common import (
     check_runs_build,
     command_line,
     console,
+    err_console,
     fail,
     loading_status,
     parse_budgets,
@@ -38,6 +39,7 @@ from reasonkv.cli.common import (
 from reasonkv.core.models import DEFAULT_MODEL, load_model, model_note
 from reasonkv.harness import bench
 from reasonkv.harness.demo import PROBLEM
+from reasonkv.util.formatting import parse_bytes
 from reasonkv.util.records import utc_timestamp, write_json_atomic
 from reasonkv.util.runtime import set_threads
 
@@ -105,10 +107,39 @@ def bench_command(
     profile_steps: Annotated[
         int, typer.Option("--profile-steps", help="Decode steps to profile (one compression interval).")
     ] = 128,
+    kv_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-memory",
+            help="Batch capacity: K/V memory for a batch (2GiB, 512MiB, 1.5GB, bytes). Each run decodes "
+            "the largest batch whose peak K/V at the longest length fits (implies --batch auto).",
+        ),
+    ] = None,
+    batch: Annotated[
+        str | None,
+        typer.Option(
+            "--batch",
+            help="Batch capacity: 'auto' (needs --kv-memory) or N sequences for every run; reports "
+            "aggregate tok/s (batch × tokens / decode seconds) instead of the per-sequence tables.",
+        ),
+    ] = None,
+    max_batch: Annotated[
+        int | None,
+        typer.Option(
+            "--max-batch", help=f"The largest batch --batch auto picks [default: {bench.MAX_BATCH}]."
+        ),
+    ] = None,
 ) -> None:
     """Decode tokens/s, KV bytes, peak memory and scoring cost of methods × budgets, all forced
-    through the same tokens (the full cache's greedy output), each as a ratio to the full cache."""
+    through the same tokens (the full cache's greedy output), each as a ratio to the full cache.
+    With --kv-memory or --batch: batch capacity instead (how many sequences each run fits in the
+    memory, and their aggregate tokens/s)."""
     try:
+        capacity = capacity_options(kv_memory, batch, max_batch)
+        if capacity is not None and (profile_at or plot is not None):
+            raise CliError(
+                "--profile-at and --plot measure one sequence: leave them out with --batch/--kv-memory"
+            )
         method_names = split_list(methods, "--methods")
         budget_list = parse_budgets(budgets)
         length_list = sorted(positive_ints(lengths, "--lengths", "generated tokens"))
@@ -135,11 +166,35 @@ def bench_command(
             model, tokenizer = load_model(model_name, attn_implementation=attn, **where)
         check_runs_build(model, runs)
         prompt_ids = bench.prompt_input(tokenizer, prompt)
+        n = length_list[-1]
+        if capacity is not None:
+            memory, fixed, cap = capacity
+            plans = bench.plan_batches(
+                model, runs, int(prompt_ids.shape[1]), n, memory=memory, batch=fixed, max_batch=cap
+            )
     except (CliError, ValueError, FileNotFoundError) as err:
         fail(str(err))
 
+    parts = ["--model", model_name, "--methods", methods, "--budgets", budgets, "--lengths", lengths]
+    parts += ["--window", window, "--attn", attn, "--sample-every", sample_every, "--out", out]
+    parts += ["--interleave"] if interleave else []
+    for item in sets or []:
+        parts += ["--set", item]
+    parts += ["--plot", plot] if plot is not None else []
+    parts += ["--prompt", prompt] if prompt != PROBLEM else []
+    parts += ["--profile-at", profile_at, "--profile-steps", profile_steps] if profile_at else []
+    parts += [] if capacity is None else capacity_parts(kv_memory, capacity)
+    env = f"REASONKV_THREADS={os.environ['REASONKV_THREADS']} " if os.environ.get("REASONKV_THREADS") else ""
+    header = {
+        "kind": "bench",
+        "model": model_name,
+        "attn": attn,
+        "command": env + command_line("bench", parts),
+    }
     machine = bench.machine_info()
-    n = length_list[-1]
+    if capacity is not None:
+        run_capacity(model, prompt_ids, plans, n, capacity, interleave, header, machine, runs, out, threads)
+        return
     with progress_bar() as progress:
         task = progress.add_task("decoding (steps)", total=n * (len(runs) + 1))
 
@@ -168,20 +223,8 @@ def bench_command(
                 progress.advance(ptask)
 
     machine["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    parts = ["--model", model_name, "--methods", methods, "--budgets", budgets, "--lengths", lengths]
-    parts += ["--window", window, "--attn", attn, "--sample-every", sample_every, "--out", out]
-    parts += ["--interleave"] if interleave else []
-    for item in sets or []:
-        parts += ["--set", item]
-    parts += ["--plot", plot] if plot is not None else []
-    parts += ["--prompt", prompt] if prompt != PROBLEM else []
-    parts += ["--profile-at", profile_at, "--profile-steps", profile_steps] if profile_at else []
-    env = f"REASONKV_THREADS={os.environ['REASONKV_THREADS']} " if os.environ.get("REASONKV_THREADS") else ""
     record = {
-        "kind": "bench",
-        "model": model_name,
-        "attn": attn,
-        "command": env + command_line("bench", parts),
+        **header,
         "created": utc_timestamp(),
         "threads": threads,
         "machine": machine,
@@ -209,3 +252,102 @@ def bench_command(
     if plot is not None:
         paths = bench.plot_benchmark(record, plot)
         console.print("plots -> " + ", ".join(escape(str(p)) for p in paths))
+
+
+Capacity = tuple[int | None, int | None, int | None]
+"""--kv-memory in bytes (None: no limit), --batch (None: auto), --max-batch (None unless auto)."""
+
+
+def capacity_options(kv_memory: str | None, batch: str | None, max_batch: int | None) -> Capacity | None:
+    """The batch-capacity options checked (None: not asked for); a bad one is a CliError."""
+    if kv_memory is None and batch is None:
+        if max_batch is not None:
+            raise CliError("--max-batch applies to --batch auto (with --kv-memory)")
+        return None
+    memory = None
+    if kv_memory is not None:
+        try:
+            memory = parse_bytes(kv_memory)
+        except ValueError as err:
+            raise CliError(f"--kv-memory: {err}") from None
+    fixed = None
+    if batch is not None and batch.strip().lower() != "auto":
+        try:
+            fixed = int(batch)
+        except ValueError:
+            fixed = 0
+        if fixed <= 0:
+            raise CliError(f"--batch takes 'auto' or a positive number of sequences, got {batch!r}")
+    if fixed is None and memory is None:
+        raise CliError("--batch auto needs --kv-memory (the K/V memory the batch must fit in)")
+    if fixed is not None and max_batch is not None:
+        raise CliError("--max-batch applies to --batch auto, not to a fixed --batch")
+    if max_batch is not None and max_batch <= 0:
+        raise CliError(f"--max-batch must be positive, got {max_batch}")
+    return memory, fixed, (max_batch or bench.MAX_BATCH) if fixed is None else None
+
+
+def capacity_parts(kv_memory: str | None, capacity: Capacity) -> list[object]:
+    """The batch-capacity options as the recorded command line gives them (--kv-memory as typed)."""
+    _, fixed, max_batch = capacity
+    parts: list[object] = [] if kv_memory is None else ["--kv-memory", kv_memory.strip()]
+    parts += ["--batch", "auto" if fixed is None else fixed]
+    return parts + ([] if max_batch is None else ["--max-batch", max_batch])
+
+
+def run_capacity(
+    model,
+    prompt_ids: torch.Tensor,
+    plans: list,
+    n: int,
+    capacity: Capacity,
+    interleave: bool,
+    header: dict,
+    machine: dict,
+    runs: list,
+    out: Path,
+    threads: int,
+) -> None:
+    """Decode every plan's batch, write the record and print the capacity table."""
+    memory, fixed, max_batch = capacity
+    with progress_bar() as progress:
+        task = progress.add_task("decoding (steps)", total=n * (len(plans) + 1))
+
+        def advance(label: str, k: int) -> None:
+            progress.update(task, advance=k, description=label)
+
+        record = bench.run_batch_capacity(
+            model,
+            prompt_ids,
+            plans,
+            n,
+            memory=memory,
+            batch=fixed,
+            max_batch=max_batch,
+            interleave=interleave,
+            progress=advance,
+        )
+    machine["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    record = {
+        **header,
+        "created": utc_timestamp(),
+        "threads": threads,
+        "machine": machine,
+        "runs_planned": [r.to_dict() for r in runs],
+        **record,
+        "process_max_rss": bench.max_rss(),
+    }
+    write_json_atomic(record, out, indent=1)
+    console.print(bench.capacity_table(record))
+    over = record["batch_capacity"]["over_limit"]
+    if over:
+        err_console.print(
+            "[bold red]warning:[/bold red] measured peak K/V above --kv-memory for "
+            + escape(", ".join(over)),
+            soft_wrap=True,
+        )
+    console.print(
+        f"[dim]{record['wall_seconds']:.0f} s wall · {threads} torch threads · results -> "
+        f"{escape(str(out))}[/dim]",
+        soft_wrap=True,
+    )

@@ -10,9 +10,22 @@ overhead over BASELINE at the same budget: the cost of scoring. (A small model's
 continuation may loop; speed does not care, only the top-1 column then reads high.)
 
 Modules: runs (what to measure), timing, memory, decode (the loops), measure (runs and
-ratios; one after the other or interleaved), profiler, machine, tables, plots.
+ratios; one after the other or interleaved), capacity (batch capacity at fixed K/V memory:
+the largest batch each run fits, decoded together), profiler, machine, tables, plots.
 """
 
+from reasonkv.harness.bench.capacity import (
+    MAX_BATCH,
+    BatchPlan,
+    capacity_batch,
+    layer_allocations,
+    measure_batches,
+    peak_kv_slots,
+    peak_slots,
+    plan_batches,
+    run_batch_capacity,
+    slot_bytes,
+)
 from reasonkv.harness.bench.decode import (
     SAMPLE_EVERY,
     DecodeTrace,
@@ -36,20 +49,24 @@ from reasonkv.harness.bench.runs import (
     reference_method,
     windows_of,
 )
-from reasonkv.harness.bench.tables import memory_table, summary_table, windows_table
+from reasonkv.harness.bench.tables import capacity_table, memory_table, summary_table, windows_table
 from reasonkv.harness.bench.timing import SCORING, SELECTION, SectionTimer, instrument
 
 __all__ = [
     "BASELINE",
+    "MAX_BATCH",
     "PROFILE_GROUPS",
     "SAMPLE_EVERY",
     "SCORING",
     "SELECTION",
+    "BatchPlan",
     "BenchRun",
     "DecodeTrace",
     "Progress",
     "SectionTimer",
     "add_ratios",
+    "capacity_batch",
+    "capacity_table",
     "cache_bytes",
     "current_rss",
     "decode",
@@ -57,10 +74,15 @@ __all__ = [
     "eos_ids",
     "instrument",
     "is_reference",
+    "layer_allocations",
     "machine_info",
     "max_rss",
+    "measure_batches",
     "measure_runs",
     "memory_table",
+    "peak_kv_slots",
+    "peak_slots",
+    "plan_batches",
     "plan_runs",
     "plot_benchmark",
     "profile_decode",
@@ -68,7 +90,9 @@ __all__ = [
     "reference_method",
     "reference_tokens",
     "release_memory",
+    "run_batch_capacity",
     "run_benchmark",
+    "slot_bytes",
     "summary_table",
     "windows_of",
     "windows_table",

@@ -40,21 +40,26 @@ def _argmax(logits: torch.Tensor, suppress: torch.Tensor | None) -> torch.Tensor
 class DecodeTrace:
     """What one decode pass recorded for one cache. Step i fed token i (i = 0..n-1)."""
 
-    tokens: torch.Tensor  # [n] the fed tokens
-    predicted: torch.Tensor  # [n] argmax after each step (EOS suppressed)
+    tokens: torch.Tensor  # [n] the fed tokens (every batch row is fed the same ones)
+    predicted: torch.Tensor  # [n] argmax of row 0 after each step (EOS suppressed)
     step_seconds: list[float]
     prefill_seconds: float
     marks: list[dict]
     samples: dict[str, list]
     rss_before: int | None
     rss_peak: int | None
+    predicted_rows: torch.Tensor | None = None  # [B, n] every row's argmax (predicted is row 0)
+
+    @property
+    def batch(self) -> int:
+        return 1 if self.predicted_rows is None else int(self.predicted_rows.shape[0])
 
 
 @torch.no_grad()
 def decode_many(
     model,
     caches: list[CompressedCache],
-    prompt_ids: torch.Tensor,
+    prompt_ids: torch.Tensor | list[torch.Tensor],
     n: int,
     *,
     forced: torch.Tensor | None = None,
@@ -63,21 +68,29 @@ def decode_many(
     suppress: list[int] | None = None,
     progress: Progress | None = None,
 ) -> list[DecodeTrace]:
-    """Prefill `prompt_ids` [1, P] into every cache, then `n` single-token forwards each,
+    """Prefill `prompt_ids` into every cache, then `n` single-token forwards each,
     interleaved: step i runs for every cache (in an order that rotates with i) before step
     i + 1, so load from other processes falls on all of them alike.
 
-    forced=None (one cache only): greedy, token 0 from the prefill, token i+1 = argmax after
-    step i, EOS suppressed. forced [n]: every cache is fed exactly those tokens. A greedy pass
-    and a forced pass of the same tokens do the same work.
+    prompt_ids: [B, P] for every cache, or one [B_j, P] per cache (a batch size per cache;
+    the batch-capacity benchmark repeats one prompt B_j times). No padding: every row's
+    prompt is P real tokens.
+    forced=None (one cache only): greedy, token 0 from the prefill, token i+1 = row 0's argmax
+    after step i, EOS suppressed. forced [n]: every cache is fed exactly those tokens. Every
+    batch row is fed the same token at each step. A greedy pass and a forced pass of the same
+    tokens do the same work.
     marks: after step L-1 (L tokens fed), record cache.memory(). Only the forward itself is
     timed; bookkeeping (memory, RSS, argmax) happens outside the timed region. RSS is the
     process's, so it is attributed to a cache only when there is one.
     """
-    if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
-        raise ValueError(
-            f"the benchmark decodes one sequence: prompt_ids [1, P], got {tuple(prompt_ids.shape)}"
-        )
+    prompts = list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else [prompt_ids] * len(caches)
+    if len(prompts) != len(caches):
+        raise ValueError(f"{len(prompts)} prompts for {len(caches)} caches")
+    for p in prompts:
+        if p.dim() != 2 or p.shape[0] < 1 or p.shape[1] != prompts[0].shape[1]:
+            raise ValueError(
+                f"prompt_ids must be [B, P] with the same P for every cache, got {tuple(p.shape)}"
+            )
     if forced is None and len(caches) != 1:
         raise ValueError("greedy decoding (forced=None) takes exactly one cache")
     if forced is not None and forced.numel() < n:
@@ -86,7 +99,8 @@ def decode_many(
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     bad = torch.tensor(suppress, device=device) if suppress else None
     marks = set(marks)
-    prompt_ids = prompt_ids.to(device)
+    prompts = [p.to(device) for p in prompts]
+    rows = [p.shape[0] for p in prompts]
     own_rss = len(caches) == 1
     clock = time.perf_counter
     count = len(caches)
@@ -97,31 +111,32 @@ def decode_many(
     tokens = forced[:n].to(device) if forced is not None else torch.empty(n, dtype=torch.long, device=device)
     for j, cache in enumerate(caches):
         start = clock()
-        out = model(input_ids=prompt_ids, cache=cache, logits_to_keep=1)
+        out = model(input_ids=prompts[j], cache=cache, logits_to_keep=1)
         if sync is not None:
             sync()
         prefill[j] = clock() - start
         if forced is None:
             tokens[0] = _argmax(out.logits[0, -1], bad)
         del out
-    predicted = torch.empty(count, n, dtype=torch.long, device=device)
+    predicted = [torch.empty(b, n, dtype=torch.long, device=device) for b in rows]
     step_seconds = [[0.0] * n for _ in caches]
     record_marks: list[list[dict]] = [[] for _ in caches]
     samples = [{"tokens": [], "kv_bytes": [], "physical_bytes": [], "rss": []} for _ in caches]
     for i in range(n):
-        ids = tokens[i : i + 1].view(1, 1)
+        token = tokens[i : i + 1].view(1, 1)
         fed = i + 1
         for r in range(count):
             j = (i + r) % count
+            ids = token.expand(rows[j], 1)  # every row is fed the same token
             start = clock()
             out = model(input_ids=ids, cache=caches[j])
             if sync is not None:
                 sync()
             step_seconds[j][i] = clock() - start
-            predicted[j, i] = _argmax(out.logits[0, -1], bad)
+            predicted[j][:, i] = _argmax(out.logits[:, -1], bad)
             del out
         if forced is None and fed < n:
-            tokens[fed] = predicted[0, i]
+            tokens[fed] = predicted[0][0, i]
         for j, cache in enumerate(caches):
             if fed in marks:
                 mem = cache.memory()
@@ -147,13 +162,14 @@ def decode_many(
     return [
         DecodeTrace(
             tokens=tokens.cpu(),
-            predicted=predicted[j].cpu(),
+            predicted=predicted[j][0].cpu(),
             step_seconds=step_seconds[j],
             prefill_seconds=prefill[j],
             marks=record_marks[j],
             samples=samples[j],
             rss_before=rss_before,
             rss_peak=rss_peak,
+            predicted_rows=predicted[j].cpu(),
         )
         for j in range(count)
     ]

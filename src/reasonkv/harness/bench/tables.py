@@ -99,3 +99,53 @@ def memory_table(record: dict):
             ]
         )
     return fill_table(table, columns, rows)
+
+
+def capacity_table(record: dict):
+    """Batch capacity at fixed memory, one row per run: peak K/V of one sequence (predicted from
+    the schedule, and measured), the batch, the batch's measured peak, aggregate tokens/s and its
+    ratio to the full cache. A run whose measured peak passed the limit says so in its row."""
+    from rich import box
+    from rich.table import Table
+
+    from reasonkv.util.tables import fill_table
+
+    section = record["batch_capacity"]
+    memory = section["kv_memory_bytes"]
+    limit = "no K/V limit" if memory is None else f"{format_bytes(memory)} of K/V"
+    how = "the largest batch that fits" if section["batch"] == "auto" else f"batch {section['batch']}"
+    if section["batch"] == "auto":
+        how += f", at most {section['max_batch']}"
+    table = Table(
+        title=f"batch capacity · {limit} · {how} · prompt {record['prompt_tokens']} + "
+        f"{section['target_tokens']} forced tokens",
+        caption="pred/seq, peak/seq: one sequence's peak K/V, predicted from the schedule before "
+        "decoding, and measured by the cache's meter (the batch's peak / batch). batch KV: the whole batch's "
+        "measured peak K/V (OVER: above the limit). agg tok/s: batch × tokens / decode seconds; × full: "
+        "its ratio to the full cache's. rows: every row predicted the same tokens.",
+        box=box.SIMPLE_HEAD,
+        caption_justify="left",
+    )
+    cols = ("run", "pred/seq", "peak/seq", "batch", "batch KV")
+    cols += ("agg tok/s", "× full", "tok/s/seq", "rows")
+    rows, styles = [], []
+    for r in section["runs"]:
+        over = bool(r["over_limit"])
+        rows.append(
+            [
+                r["label"],
+                format_bytes(r["predicted_peak_kv_bytes_per_sequence"]),
+                format_bytes(r["peak_kv_bytes_per_sequence"]),
+                str(r["batch"]),
+                format_bytes(r["peak_kv_bytes"]) + (" OVER" if over else ""),
+                f"{r['aggregate_tokens_per_second']:.1f}",
+                format_or_dash(r.get("aggregate_ratio"), ".2f"),
+                f"{r['tokens_per_second']:.2f}",
+                "same" if r["rows_agree"] else "differ",
+            ]
+        )
+        styles.append("bold red" if over else None)
+    if section["over_limit"]:
+        table.caption += f" OVER THE LIMIT: {', '.join(section['over_limit'])}."
+    optional = ("rows", "tok/s/seq", "peak/seq")  # peak/seq = batch KV / batch
+    return fill_table(table, cols, rows, row_styles=styles, optional=optional)

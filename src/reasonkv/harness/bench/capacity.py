@@ -1,0 +1,299 @@
+"""Batch capacity at fixed memory: how many sequences' K/V fit, and how fast they decode together.
+
+For each run, the peak K/V bytes of one sequence decoding to the target length are predicted
+from its cache's schedule arithmetic before anything decodes (`peak_kv_slots`); the batch is
+the most sequences whose peaks fit in the given memory (`capacity_batch`). That batch then
+decodes the reference tokens, one prompt repeated in every row and the same token fed to every
+row at each step, so every row does the same model work as a batch-1 run. What is reported:
+aggregate tokens/s (batch × tokens / decode seconds), its ratio to the full cache's, and the
+predicted and measured (the cache's meter) peak K/V, checked against the limit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from reasonkv.core.cache import GROWTH_CHUNK, CompressedCache
+from reasonkv.core.models import model_shape
+from reasonkv.harness.bench.decode import Progress, decode_many, eos_ids, reference_tokens
+from reasonkv.harness.bench.memory import release_memory
+from reasonkv.harness.bench.runs import BenchRun, is_reference, reference_method
+from reasonkv.methods.api import make_cache
+from reasonkv.util.formatting import format_bytes
+
+MAX_BATCH = 256
+"""The largest batch `--batch auto` picks (CPU runs stay bounded)."""
+
+
+Allocations = dict[int, list[tuple[int, int]]]
+"""One layer's storage reallocations: step (0 the prefill, i the i-th decode step) -> the
+(old, new) slot counts of each, in order (a growth in `update`, then a compaction)."""
+
+
+def layer_allocations(prompt: int, n: int, trigger: int | None, target: int, hole_slots: int) -> Allocations:
+    """Storage reallocations of one layer through a prefill of `prompt` tokens and `n` decode
+    steps, stepped with the arithmetic of `CompressedLayer.update` (grow to the trigger plus the
+    hole slots, a chunk at a time; past the trigger, to what is needed plus the slack) and
+    `CompressedLayer.compress` (a hole, holes in place, or compaction into the kept tokens plus
+    the slack). For a layer whose heads all share one budget, one sequence, no padding: every
+    head then holds the same tokens, so slots equal tokens until eviction leaves holes.
+    trigger None: the layer never compresses (it grows a chunk past what it needs)."""
+    slack = GROWTH_CHUNK if trigger is None else max(1, trigger - target)
+    capacity = used = live = 0
+    events: Allocations = {}
+
+    def allocate(step: int, slots: int) -> None:
+        nonlocal capacity
+        events.setdefault(step, []).append((capacity, slots))
+        capacity = slots
+
+    for step, q in enumerate([prompt] + [1] * n):
+        needed = used + q
+        want = trigger + hole_slots if trigger is not None and needed <= trigger else needed + slack
+        if needed > capacity:
+            allocate(step, min(want, needed + GROWTH_CHUNK))
+        used += q
+        live += q
+        if trigger is None or live < trigger:
+            continue
+        room = used + slack <= capacity
+        if hole_slots and room and live - target <= 1 and used - target <= hole_slots:
+            live = target  # one token per head becomes a hole
+        elif used - target <= hole_slots and room:
+            live = target  # holes in place
+        else:
+            allocate(step, target + min(slack + hole_slots, GROWTH_CHUNK))
+            used = live = target
+    return events
+
+
+def peak_slots(layers: list[Allocations]) -> int:
+    """The most slots the layers hold at once. Within a step the layers run in order, and a
+    reallocating layer holds its old and new storage together until the copy is done (the
+    cache's meter counts that moment too)."""
+    total = peak = 0
+    for step in sorted({step for events in layers for step in events}):
+        for events in layers:
+            for old, new in events.get(step, ()):
+                peak = max(peak, total + new)
+                total += new - old
+    return peak
+
+
+def unpredictable(cache: CompressedCache, compresses: bool) -> str | None:
+    """Why `peak_kv_slots` cannot follow this cache's schedule (None: it can)."""
+    policy = cache.policy
+    for layer in cache.layers:
+        plan = layer.plan
+        if plan.triggers is None and compresses:
+            return "its schedule has no fixed trigger (the cache grows with the sequence)"
+        if plan.triggers is not None and (len(set(plan.triggers)) > 1 or len(set(plan.targets)) > 1):
+            return "its heads have different budgets within a layer"
+    if policy.head_allocator is not None:
+        return "it re-splits the budget between heads at every compression"
+    if policy.protect_prompt:
+        return "it keeps the whole prompt on top of its budget"
+    if policy.kv_format is not None and policy.kv_format.quantized:
+        return f"its K/V are quantized to {policy.kv_format.kv_bits} bits"
+    return None
+
+
+def peak_kv_slots(cache: CompressedCache, prompt: int, n: int, *, compresses: bool = True) -> int:
+    """Peak K/V storage slots (summed over layers) of one sequence of `prompt` tokens decoding
+    `n` more through a fresh `cache` (built, not yet used). A ValueError says why it cannot be
+    predicted (see `unpredictable`)."""
+    reason = unpredictable(cache, compresses)
+    if reason is not None:
+        raise ValueError(f"cannot predict the peak K/V of {cache.method} from its schedule: {reason}")
+    keys = [(x.plan.trigger_max, min(x.plan.targets), x.plan.hole_slots) for x in cache.layers]
+    stepped = {key: layer_allocations(prompt, n, *key) for key in set(keys)}  # alike layers: once
+    return peak_slots([stepped[key] for key in keys])
+
+
+def slot_bytes(model) -> int:
+    """K/V bytes of one slot of one layer (every KV head's key and value) in the model's dtype."""
+    shape = model_shape(model)
+    dtype = next(model.parameters()).dtype
+    return 2 * shape.n_kv_heads * shape.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def capacity_batch(memory: int, per_sequence: int, max_batch: int = MAX_BATCH) -> int:
+    """Sequences whose peak K/V (`per_sequence` bytes each) fit in `memory` bytes, at most
+    `max_batch`; 0 when not even one fits."""
+    if per_sequence <= 0 or max_batch <= 0:
+        raise ValueError(
+            f"per-sequence bytes and max_batch must be positive, got {per_sequence}, {max_batch}"
+        )
+    return min(memory // per_sequence, max_batch)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """One run's batch: its predicted peak K/V per sequence (None: not predictable) and batch."""
+
+    run: BenchRun
+    per_sequence: int | None
+    batch: int
+
+
+def plan_batches(
+    model,
+    runs: list[BenchRun],
+    prompt: int,
+    n: int,
+    *,
+    memory: int | None,
+    batch: int | None,
+    max_batch: int | None = MAX_BATCH,
+) -> list[BatchPlan]:
+    """Each run's batch: `batch` (fixed), or (batch None) the largest that fits `memory`, at
+    most `max_batch` (None: MAX_BATCH).
+    A ValueError names the run when its peak cannot be predicted for batch None, or when one
+    sequence does not fit."""
+    if batch is None and memory is None:
+        raise ValueError("batch auto needs a memory limit")
+    per_slot = slot_bytes(model)
+    plans = []
+    for run in runs:
+        cache = make_cache(model, run.method, run.budget, **run.knobs)
+        try:
+            per_sequence = per_slot * peak_kv_slots(cache, prompt, n, compresses=not is_reference(run.method))
+        except ValueError as err:
+            if batch is None:
+                raise ValueError(f"{run.label}: {err}; give a fixed batch instead") from None
+            per_sequence = None
+        del cache
+        chosen = batch
+        if chosen is None:
+            chosen = capacity_batch(memory, per_sequence, max_batch or MAX_BATCH)
+            if chosen == 0:
+                raise ValueError(
+                    f"{run.label}: one sequence needs {format_bytes(per_sequence)} of peak K/V at "
+                    f"{prompt} + {n} tokens, more than the {format_bytes(memory)} given"
+                )
+        plans.append(BatchPlan(run, per_sequence, chosen))
+    return plans
+
+
+def measure_batches(
+    model,
+    plans: list[BatchPlan],
+    prompt_ids: torch.Tensor,
+    tokens: torch.Tensor,
+    n: int,
+    *,
+    memory: int | None = None,
+    interleave: bool = False,
+    progress: Callable[[str, int], None] | None = None,
+    caches: list[CompressedCache] | None = None,
+) -> list[dict]:
+    """Decode each plan's batch through `tokens` (`prompt_ids` [1, P] repeated in every row);
+    one after the other, or all step by step together (interleave). `caches` may be given
+    (built for these plans) to inspect them afterwards."""
+    suppress = eos_ids(model)
+    caches = caches if caches is not None else [None] * len(plans)
+    pairs = list(zip(plans, caches, strict=True))
+    passes = [("all runs, interleaved", pairs)] if interleave else [(p.run.label, [(p, c)]) for p, c in pairs]
+    results = []
+    for label, group in passes:
+        release_memory()
+        built = [
+            c if c is not None else make_cache(model, p.run.method, p.run.budget, **p.run.knobs)
+            for p, c in group
+        ]
+        tick = None if progress is None else (lambda k, label=label: progress(label, k))
+        traces = decode_many(
+            model,
+            built,
+            [prompt_ids.repeat(p.batch, 1) for p, _ in group],
+            n,
+            forced=tokens,
+            suppress=suppress,
+            progress=tick,
+        )
+        for (plan, _), cache, trace in zip(group, built, traces, strict=True):
+            decode_seconds = sum(trace.step_seconds)
+            measured = cache.kv_meter.peak  # every row holds alike: a multiple of the batch
+            predicted = None if plan.per_sequence is None else plan.batch * plan.per_sequence
+            rows = trace.predicted_rows
+            agree = (trace.predicted[: n - 1] == tokens[1:n].cpu()).double()
+            results.append(
+                {
+                    **plan.run.to_dict(),
+                    "label": plan.run.label,
+                    "batch": plan.batch,
+                    "steps": n,
+                    "prefill_seconds": trace.prefill_seconds,
+                    "decode_seconds": decode_seconds,
+                    "tokens_per_second": n / max(decode_seconds, 1e-12),
+                    "aggregate_tokens_per_second": plan.batch * n / max(decode_seconds, 1e-12),
+                    "predicted_peak_kv_bytes_per_sequence": plan.per_sequence,
+                    "predicted_peak_kv_bytes": predicted,
+                    "peak_kv_bytes": measured,
+                    "peak_kv_bytes_per_sequence": measured // plan.batch,
+                    "prediction_exact": None if predicted is None else measured == predicted,
+                    "kv_memory_bytes": memory,
+                    "over_limit": None if memory is None else measured > memory,
+                    "rows_agree": bool((rows == rows[:1]).all()),
+                    "top1_agreement": float(agree.mean()) if agree.numel() else None,
+                    "compressions": cache.n_compressions,
+                    "step_seconds": trace.step_seconds,
+                }
+            )
+        del built, traces
+    full = next((r for r in results if is_reference(r["method"])), None)
+    for r in results:
+        if full is not None:
+            r["aggregate_ratio"] = r["aggregate_tokens_per_second"] / full["aggregate_tokens_per_second"]
+            r["batch_ratio"] = r["batch"] / full["batch"]
+    return results
+
+
+def run_batch_capacity(
+    model,
+    prompt_ids: torch.Tensor,
+    plans: list[BatchPlan],
+    n: int,
+    *,
+    memory: int | None = None,
+    batch: int | None = None,
+    max_batch: int | None = None,
+    interleave: bool = False,
+    progress: Callable[[str, int], None] | None = None,
+) -> dict:
+    """The reference tokens (the full cache's greedy continuation, batch 1), then every plan's
+    batch through them (`measure_batches`): the record's `batch_capacity` section, with the
+    reference beside it. memory, batch (None: auto) and max_batch are recorded as planned.
+    progress(label, k): k more decode steps done in the pass `label`."""
+
+    def tick(label: str) -> Progress | None:
+        return None if progress is None else (lambda k: progress(label, k))
+
+    start = time.perf_counter()
+    ref = reference_tokens(model, prompt_ids, n, progress=tick(f"reference ({reference_method()}, greedy)"))
+    results = measure_batches(
+        model, plans, prompt_ids, ref.tokens, n, memory=memory, interleave=interleave, progress=progress
+    )
+    return {
+        "prompt_tokens": int(prompt_ids.shape[1]),
+        "reference": {
+            "tokens": ref.tokens.tolist(),
+            "seconds": ref.prefill_seconds + sum(ref.step_seconds),
+            "tokens_per_second": n / max(sum(ref.step_seconds), 1e-12),
+        },
+        "batch_capacity": {
+            "kv_memory_bytes": memory,
+            "batch": "auto" if batch is None else batch,
+            "max_batch": max_batch if batch is None else None,
+            "target_tokens": n,
+            "slot_bytes": slot_bytes(model),
+            "interleave": interleave,
+            "runs": results,
+            "over_limit": [r["label"] for r in results if r["over_limit"]],
+        },
+        "wall_seconds": time.perf_counter() - start,
+    }

@@ -1,0 +1,199 @@
+"""Batch capacity at fixed memory (reasonkv.harness.bench.capacity): the batch arithmetic, the
+peak K/V predicted from a schedule against the cache's own meter, and batched decoding that
+gives every row exactly what a batch-1 run gives. No timing assertions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import N_LAYERS, random_prompt, tiny_model
+from reasonkv.harness import bench
+from reasonkv.methods.api import make_cache
+
+PROMPT = 10
+KNOBS = {"interval": 8}
+
+
+def run_of(method: str, budget: int | None = 24, **knobs) -> bench.BenchRun:
+    return bench.BenchRun(method, None if method == "full" else budget, knobs)
+
+
+# ------------------------------------------------------------- the arithmetic
+@pytest.mark.parametrize(
+    ("memory", "per_sequence", "max_batch", "expected"),
+    [
+        (1000, 300, 256, 3),
+        (900, 300, 256, 3),  # exactly three fit
+        (899, 300, 256, 2),
+        (300, 300, 256, 1),
+        (299, 300, 256, 0),  # not even one
+        (10**9, 1, 256, 256),  # capped
+        (10**9, 1, 5, 5),
+        (2 * 1024**3, 30_507_008, 256, 70),  # 2 GiB of 29.1 MiB sequences
+    ],
+)
+def test_capacity_batch_is_the_floor_of_memory_over_the_peak_capped(
+    memory: int, per_sequence: int, max_batch: int, expected: int
+) -> None:
+    assert bench.capacity_batch(memory, per_sequence, max_batch) == expected
+
+
+def test_capacity_batch_refuses_a_nonpositive_peak_or_cap() -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        bench.capacity_batch(1000, 0)
+    with pytest.raises(ValueError, match="must be positive"):
+        bench.capacity_batch(1000, 10, 0)
+
+
+def test_layer_allocations_of_a_growing_and_a_buffered_layer() -> None:
+    # Never compresses: a chunk (256) past the prompt, then a chunk past what is needed.
+    full = bench.layer_allocations(10, 300, None, 0, 0)
+    assert full == {0: [(0, 266)], 257: [(266, 523)]}
+    # Budget 24 + interval 8: room for 32 at once, compacted into 24 + 8 slots at every 32nd token.
+    buffered = bench.layer_allocations(10, 40, 32, 24, 0)
+    assert buffered == {0: [(0, 32)], 22: [(32, 32)], 30: [(32, 32)], 38: [(32, 32)]}
+    # Two alike layers: both at their most, plus the old storage of the last one that grew.
+    assert bench.peak_slots([full, full]) == 523 + 523 + 266
+    assert bench.peak_slots([buffered, buffered]) == 3 * 32
+
+
+def test_peak_slots_follows_the_layers_in_order() -> None:
+    a = {0: [(0, 10)], 5: [(10, 20)]}
+    b = {0: [(0, 30)], 5: [(30, 5)]}
+    # Step 5: a grows while b still holds 30 (10 + 20 + 30), then b shrinks after a is done.
+    assert bench.peak_slots([a, b]) == 60
+    # b first: it compacts (30 + 5) beside a's 10, then a grows beside b's 5 (5 + 10 + 20).
+    assert bench.peak_slots([b, a]) == 45
+    assert bench.peak_slots([]) == 0
+
+
+# ---------------------------------------------- the prediction against the meter
+@pytest.mark.parametrize("prompt_len", [PROMPT, 30])  # 30: a prompt past the trigger of budget 24
+@pytest.mark.parametrize(
+    ("method", "knobs"),
+    [
+        ("full", {}),
+        ("streaming", {}),
+        ("h2o", {}),
+        ("snapkv", KNOBS),
+        ("rkv", {}),
+        ("beaconkv", {}),
+        ("pyramidkv", KNOBS),
+    ],
+)
+def test_predicted_peak_is_what_the_cache_meter_measures(method: str, knobs: dict, prompt_len: int) -> None:
+    model = tiny_model("llama")
+    prompt = random_prompt(prompt_len, 7)
+    n = 45
+    tokens = bench.reference_tokens(model, prompt, n).tokens
+    run = run_of(method, **knobs)
+    cache = make_cache(model, run.method, run.budget, **run.knobs)
+    slots = bench.peak_kv_slots(cache, prompt_len, n, compresses=method != "full")
+    bench.decode_many(model, [cache], prompt, n, forced=tokens)
+    assert slots * bench.slot_bytes(model) == cache.kv_meter.peak == cache.memory()["peak_kv_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("method", "knobs", "reason"),
+    [
+        ("rpc", {}, "no fixed trigger"),
+        ("adakv-snapkv", {}, "re-splits the budget between heads"),
+        ("quant-int4", {}, "quantized to 4 bits"),
+        ("snapkv", {"protect_prompt": True}, "keeps the whole prompt"),
+    ],
+)
+def test_a_schedule_the_prediction_cannot_follow_is_named(method: str, knobs: dict, reason: str) -> None:
+    model = tiny_model("llama")
+    run = bench.BenchRun(method, None if method == "quant-int4" else 64, knobs)
+    cache = make_cache(model, run.method, run.budget, **run.knobs)
+    with pytest.raises(ValueError, match=reason):
+        bench.peak_kv_slots(cache, PROMPT, 40, compresses=not bench.is_reference(method))
+    with pytest.raises(ValueError, match=f"{run.label}: .*{reason}.*give a fixed batch"):
+        bench.plan_batches(model, [run], PROMPT, 40, memory=10**9, batch=None)
+    (plan,) = bench.plan_batches(model, [run], PROMPT, 40, memory=None, batch=3)
+    assert plan.batch == 3 and plan.per_sequence is None
+
+
+def test_plan_batches_fits_the_memory_and_names_a_run_that_does_not_fit() -> None:
+    model = tiny_model("llama")
+    runs = [run_of("full"), run_of("snapkv", **KNOBS)]
+    per_slot = bench.slot_bytes(model)
+    assert per_slot == 2 * 2 * 16 * 4  # K and V, 2 KV heads of dim 16, fp32
+    full_peak = N_LAYERS * (PROMPT + 256) * per_slot  # prompt 10 + 40: a chunk past the prompt
+    snap_peak = (N_LAYERS + 1) * 32 * per_slot  # 24 + 8 slots, one layer twice while compacting
+    plans = bench.plan_batches(model, runs, PROMPT, 40, memory=2 * full_peak + 1, batch=None)
+    assert [p.per_sequence for p in plans] == [full_peak, snap_peak]
+    assert [p.batch for p in plans] == [2, (2 * full_peak + 1) // snap_peak]
+    capped = bench.plan_batches(model, runs, PROMPT, 40, memory=2 * full_peak, batch=None, max_batch=4)
+    assert [p.batch for p in capped] == [2, 4]
+    with pytest.raises(ValueError, match=r"full: one sequence needs 133.0 KiB of peak K/V at 10 \+ 40"):
+        bench.plan_batches(model, runs, PROMPT, 40, memory=full_peak - 1, batch=None)
+    with pytest.raises(ValueError, match="needs a memory limit"):
+        bench.plan_batches(model, runs, PROMPT, 40, memory=None, batch=None)
+
+
+# ------------------------------------------------------------- batched decoding
+class LogitLog:
+    """Every forward's last-position logits, in order."""
+
+    def __init__(self, model):
+        self.logits: list[torch.Tensor] = []
+        self.handle = model.register_forward_hook(self.hook)
+
+    def hook(self, module, args, output):
+        self.logits.append(output.logits[:, -1].detach().clone())
+
+
+@pytest.mark.parametrize(
+    ("method", "knobs"), [("full", {}), ("streaming", {}), ("snapkv", KNOBS), ("beaconkv", {})]
+)
+def test_every_batched_row_decodes_as_the_batch_of_one(method: str, knobs: dict) -> None:
+    model = tiny_model("llama")
+    prompt = random_prompt(PROMPT, 8)
+    n = 40
+    tokens = bench.reference_tokens(model, prompt, n).tokens
+    run = run_of(method, **knobs)
+    one = make_cache(model, run.method, run.budget, **run.knobs)
+    many = make_cache(model, run.method, run.budget, **run.knobs)
+    log = LogitLog(model)
+    try:
+        (alone,) = bench.decode_many(model, [one], prompt, n, forced=tokens)
+        split = len(log.logits)
+        (batched,) = bench.decode_many(model, [many], prompt.repeat(3, 1), n, forced=tokens)
+    finally:
+        log.handle.remove()
+    assert batched.batch == 3 and alone.batch == 1
+    for row in range(3):
+        assert torch.equal(batched.predicted_rows[row], alone.predicted)
+    for single, rows in zip(log.logits[:split], log.logits[split:], strict=True):
+        assert torch.allclose(rows, single.expand_as(rows), atol=1e-5, rtol=1e-5)
+    for a, b in zip(one.layers, many.layers, strict=True):  # the same tokens kept, in every row
+        assert torch.equal(b.token_index, a.token_index.expand_as(b.token_index))
+    assert many.kv_meter.peak == 3 * one.kv_meter.peak
+
+
+def test_a_batch_capacity_run_fits_its_memory_and_reports_each_run() -> None:
+    model = tiny_model("llama")
+    prompt = random_prompt(PROMPT, 9)
+    n = 40
+    runs = [run_of("full"), run_of("snapkv", **KNOBS), run_of("streaming"), run_of("beaconkv")]
+    full_peak = N_LAYERS * (PROMPT + 256) * bench.slot_bytes(model)
+    memory = 2 * full_peak + full_peak // 2  # full fits twice
+    plans = bench.plan_batches(model, runs, PROMPT, n, memory=memory, batch=None)
+    record = bench.run_batch_capacity(model, prompt, plans, n, memory=memory, max_batch=bench.MAX_BATCH)
+    section = record["batch_capacity"]
+    assert section["kv_memory_bytes"] == memory and section["batch"] == "auto"
+    assert section["target_tokens"] == n and section["over_limit"] == []
+    results = section["runs"]
+    assert [r["label"] for r in results] == ["full", "snapkv@24", "streaming@24", "beaconkv@24"]
+    assert results[0]["batch"] == 2 and all(r["batch"] > 2 for r in results[1:])
+    for r in results:
+        assert r["peak_kv_bytes"] <= memory and r["over_limit"] is False
+        assert r["peak_kv_bytes"] == r["predicted_peak_kv_bytes"] and r["prediction_exact"] is True
+        assert r["peak_kv_bytes_per_sequence"] * r["batch"] == r["peak_kv_bytes"]
+        assert r["rows_agree"] is True and len(r["step_seconds"]) == n
+        assert r["aggregate_tokens_per_second"] == pytest.approx(r["batch"] * r["tokens_per_second"])
+        assert r["batch_ratio"] == r["batch"] / 2
+    assert results[0]["top1_agreement"] == 1.0 and results[0]["aggregate_ratio"] == 1.0
+    assert len(record["reference"]["tokens"]) == n and record["prompt_tokens"] == PROMPT
