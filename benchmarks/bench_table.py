@@ -67,8 +67,51 @@ def length_rows(record: dict) -> list[list[str]]:
     return rows
 
 
+def capacity_markdown(record: dict, source: str = "") -> str:
+    """A batch-capacity record (bench --kv-memory / --batch) as Markdown."""
+    cap = record["batch_capacity"]
+    lines = [f"### `{record['model']}`, batch capacity" + (f" ({source})" if source else ""), ""]
+    if note := model_note(record["model"]):
+        lines += [f"*{note}.*", ""]
+    limit = format_bytes(cap["kv_memory_bytes"]) if cap.get("kv_memory_bytes") else "no limit"
+    lines += [
+        f"K/V memory {limit}, batch {cap['batch']} (at most {cap['max_batch']}), {cap['target_tokens']} "
+        f"generated tokens; {record.get('wall_seconds', 0):.0f} s wall.",
+        "",
+        f"`{record['command']}`",
+        "",
+    ]
+    rows = []
+    for r in cap["runs"]:
+        pred = r.get("predicted_peak_kv_bytes_per_sequence")
+        rows.append(
+            [
+                r["label"],
+                "-" if pred is None else format_bytes(pred),
+                format_bytes(r["peak_kv_bytes_per_sequence"]),
+                str(r["batch"]),
+                format_bytes(r["peak_kv_bytes"]) + (" OVER" if r.get("over_limit") else ""),
+                f"{r['aggregate_tokens_per_second']:.1f}",
+                "-" if r.get("aggregate_ratio") is None else f"{r['aggregate_ratio']:.2f}",
+            ]
+        )
+    header = [
+        "run",
+        "peak K/V per seq (predicted)",
+        "measured",
+        "batch",
+        "batch peak K/V",
+        "agg tok/s",
+        "× full",
+    ]
+    lines += _table(header, rows)
+    return "\n".join(lines) + "\n"
+
+
 def markdown(record: dict, source: str = "") -> str:
     """The tables of one bench record, as Markdown."""
+    if "batch_capacity" in record:
+        return capacity_markdown(record, source)
     lengths = record["lengths"]
     machine = record.get("machine", {})
     lines = [f"### `{record['model']}`" + (f" ({source})" if source else ""), ""]

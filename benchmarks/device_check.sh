@@ -66,11 +66,11 @@ echo "== bench $MODEL on $DEVICE ($DTYPE): $METHODS at budget $BUDGET, lengths $
   --budgets "$BUDGET" --lengths "$LENGTHS" --window "$WINDOW" --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 results=("$OUT/bench.json")
 
-# (c) FIXED-MEMORY STEP: how many sequences fit in a fixed K/V memory, per method. It needs the
-# batch-capacity options of `reasonkv bench` (--kv-memory, --batch auto); until this reasonkv has
-# them it is skipped with a note. Check the flags' final names here once they exist.
+# (c) Batch capacity at a fixed K/V memory (FIXED_MEMORY, e.g. 40GiB): per method, the largest
+# batch whose peak K/V fits, decoded together; aggregate tok/s against the full cache's.
 if [[ -n $FIXED_MEMORY ]]; then
-  if COLUMNS=200 "${RK[@]}" bench --help | grep -q -- '--kv-memory'; then
+  help=$(COLUMNS=200 "${RK[@]}" bench --help)  # not piped into grep -q: under pipefail its early exit fails the test
+  if grep -q -- '--kv-memory' <<<"$help"; then
     echo "== bench at a fixed K/V memory of $FIXED_MEMORY"
     "${RK[@]}" bench --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --methods "$METHODS" \
       --budgets "$BUDGET" --lengths "$LENGTHS" --window "$WINDOW" --kv-memory "$FIXED_MEMORY" --batch auto \

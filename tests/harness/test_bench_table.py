@@ -38,3 +38,12 @@ def test_a_random_model_gets_its_note_and_other_files_are_refused(tmp_path, caps
     with pytest.raises(SystemExit):
         bench_table().main([str(other)])
     assert "is not a `reasonkv bench` result" in capsys.readouterr().err
+
+
+def test_a_batch_capacity_record_gets_its_own_table() -> None:
+    record = json.loads((ROOT / "docs" / "performance-data" / "batch-capacity" / "bench-4k.json").read_text())
+    text = bench_table().markdown(record, "bench-4k.json")
+    assert "256.0 MiB" in text and "batch capacity" in text
+    # The numbers of docs/performance.md's batch-capacity table.
+    assert "| full | 191.8 MiB | 191.8 MiB | 1 | 191.8 MiB | 16.4 | 1.00 |" in text
+    assert "| snapkv@512 | 29.1 MiB | 29.1 MiB | 8 | 232.5 MiB | 78.2 | 4.78 |" in text
