@@ -418,7 +418,7 @@ def test_replay_command_batch_equals_one_by_one(loader, tmp_path) -> None:
         assert result.exit_code == 0, result.output
         records.append(json.loads(out.read_text()))
     one, batched = records
-    assert batched["command"].endswith("--batch")
+    assert batched["command"].endswith("--batch --device cpu --dtype float32")  # as resolved, not auto
     pairs = zip(one["per_trace"], batched["per_trace"], strict=True)
     assert len(one["per_trace"]) == 4
     for a, b in sorted(pairs, key=lambda ab: (ab[0]["trace"], ab[0]["method"])):

@@ -25,6 +25,7 @@ from reasonkv.cli.common import (
     fail,
     loading_status,
     parse_sets,
+    placement_parts,
     progress_bar,
     split_list,
 )
@@ -194,7 +195,7 @@ def analyze_command(
         heads=head_list,
         profile=profile,
         model_name=model_name,
-        command=command_line("analyze", parts),
+        command=command_line("analyze", parts + placement_parts(where)),
     )
     wall = time.perf_counter() - start
     share = analysis.global_fraction()

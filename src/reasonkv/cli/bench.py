@@ -32,6 +32,7 @@ from reasonkv.cli.common import (
     loading_status,
     parse_budgets,
     parse_sets,
+    placement_parts,
     positive_ints,
     progress_bar,
     split_list,
@@ -189,7 +190,7 @@ def bench_command(
         "kind": "bench",
         "model": model_name,
         "attn": attn,
-        "command": env + command_line("bench", parts),
+        "command": env + command_line("bench", parts + placement_parts(where)),
     }
     machine = bench.machine_info()
     if capacity is not None:

@@ -92,6 +92,12 @@ def check_device(device: str, dtype: str) -> dict[str, object]:
         raise CliError(f"--device/--dtype: {err}") from None
 
 
+def placement_parts(where: dict[str, object]) -> list[object]:
+    """--device and --dtype as they resolved, for a saved command: rerun on another machine, it
+    runs what ran here (auto would pick that machine's own)."""
+    return ["--device", str(where["device"]), "--dtype", str(where["dtype"]).removeprefix("torch.")]
+
+
 # ------------------------------------------------------------------ lists
 def split_list(text: str, option: str) -> list[str]:
     """'a, b,,c' -> ['a', 'b', 'c']; an empty list is an error naming the option."""

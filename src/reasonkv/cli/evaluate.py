@@ -30,6 +30,7 @@ from reasonkv.cli.common import (
     fail,
     loading_status,
     parse_sets,
+    placement_parts,
     progress_bar,
 )
 from reasonkv.core.models import DEFAULT_MODEL, load_model, model_note
@@ -266,7 +267,7 @@ def eval_command(
         "config": config,
         "versions": versions(),
         "git": git_info(),
-        "command": command_line("eval", parts),
+        "command": command_line("eval", parts + placement_parts(where)),
         "created": utc_timestamp(),
         "samples_file": None if samples_file is None else str(samples_file),
     }

@@ -22,6 +22,7 @@ from reasonkv.cli.common import (
     console,
     fail,
     loading_status,
+    placement_parts,
     progress_bar,
 )
 from reasonkv.core.models import DEFAULT_MODEL, load_model
@@ -124,7 +125,7 @@ def profile_command(
             chunk=chunk,
             stride=stride,
             topk=topk,
-            command=command_line("profile", parts),
+            command=command_line("profile", parts + placement_parts(where)),
             progress=lambda done, total, _id: progress.update(task, completed=done),
         )
     save_profile(profile, out)
