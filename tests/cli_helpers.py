@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+import typer
 from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
@@ -46,3 +47,17 @@ def tiny_llama(attn: str = "sdpa") -> LlamaForCausalLM:
 
 def errors_of(result) -> str:
     return result.stderr if result.stderr else result.output
+
+
+def bench_app() -> typer.Typer:
+    """The `reasonkv bench` command alone (a second, empty command keeps it a subcommand)."""
+    from reasonkv.cli import bench as bench_cli
+
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command("bench")(bench_cli.bench_command)
+
+    @app.command("noop")
+    def noop() -> None:
+        pass
+
+    return app

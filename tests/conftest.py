@@ -221,3 +221,22 @@ def no_loading(monkeypatch):
     monkeypatch.setattr(generate_cli, "load_model", load)
     monkeypatch.setattr(profile_cli, "load_model", load)
     monkeypatch.setattr(demo, "load_model", load)
+
+
+@pytest.fixture
+def bench_loader(monkeypatch):
+    """`reasonkv bench`'s model loader replaced by a tiny Llama and a char tokenizer; records calls."""
+    from cli_helpers import CharTokenizer, tiny_llama
+    from reasonkv.cli import bench as bench_cli
+
+    monkeypatch.setenv("REASONKV_THREADS", "1")
+    threads = torch.get_num_threads()
+    calls: list[dict] = []
+
+    def load(name, **kwargs):
+        calls.append({"name": name, **kwargs})
+        return tiny_llama(kwargs.get("attn_implementation", "sdpa")), CharTokenizer()
+
+    monkeypatch.setattr(bench_cli, "load_model", load)
+    yield calls
+    torch.set_num_threads(threads)

@@ -6,43 +6,18 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-import typer
 
-from cli_helpers import WIDE, CharTokenizer, errors_of, runner, tiny_llama
+from cli_helpers import WIDE, bench_app, errors_of, runner
 from conftest import N_LAYERS
-from reasonkv.cli import bench as bench_cli
 
 TEXT = "What is 2+3? Think."  # 19 prompt tokens with the CharTokenizer
 SLOT = 2 * 2 * 16 * 4  # bytes of one K/V slot of one layer of the tiny Llama (fp32)
 FULL_PEAK = N_LAYERS * (len(TEXT) + 256) * SLOT  # the full cache at 19 + 40 tokens: one chunk past
 
 
-def bench_app() -> typer.Typer:
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command("bench")(bench_cli.bench_command)
-
-    @app.command("noop")
-    def noop() -> None:  # a second command keeps `bench` a subcommand
-        pass
-
-    return app
-
-
 @pytest.fixture
-def loader(monkeypatch):
-    """The command's model loader replaced by a tiny Llama and a char tokenizer; records calls."""
-    monkeypatch.setenv("REASONKV_THREADS", "1")
-    threads = torch.get_num_threads()
-    calls: list[dict] = []
-
-    def load(name, **kwargs):
-        calls.append({"name": name, **kwargs})
-        return tiny_llama(kwargs.get("attn_implementation", "sdpa")), CharTokenizer()
-
-    monkeypatch.setattr(bench_cli, "load_model", load)
-    yield calls
-    torch.set_num_threads(threads)
+def loader(bench_loader):
+    return bench_loader
 
 
 def invoke(tmp_path, *extra: str, methods: str = "snapkv,streaming"):

@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import typer
 from typer.testing import CliRunner
 
-from cli_helpers import CharTokenizer, tiny_llama
+from cli_helpers import bench_app
 from conftest import N_LAYERS, greedy_loop, random_prompt, tiny_model
-from reasonkv.cli import bench as bench_cli
 from reasonkv.harness import bench
 from reasonkv.harness.replay import compare_logits
 from reasonkv.methods.api import make_cache
@@ -222,31 +220,9 @@ def test_plan_runs_and_windows() -> None:
 
 
 # ---------------------------------------------------------------------- CLI
-def bench_app() -> typer.Typer:
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command("bench")(bench_cli.bench_command)
-
-    @app.command("noop")
-    def noop() -> None:  # a second command keeps `bench` a subcommand
-        pass
-
-    return app
-
-
 @pytest.fixture
-def loader(monkeypatch):
-    """The command's model loader replaced by a tiny Llama and a char tokenizer; records calls."""
-    monkeypatch.setenv("REASONKV_THREADS", "1")
-    threads = torch.get_num_threads()
-    calls: list[dict] = []
-
-    def load(name, **kwargs):
-        calls.append({"name": name, **kwargs})
-        return tiny_llama(kwargs.get("attn_implementation", "sdpa")), CharTokenizer()
-
-    monkeypatch.setattr(bench_cli, "load_model", load)
-    yield calls
-    torch.set_num_threads(threads)
+def loader(bench_loader):
+    return bench_loader
 
 
 def test_bench_command_writes_json_tables_and_plots(loader, tmp_path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -64,6 +65,16 @@ def profile_table(profiles: list[dict]) -> Table:
         cells = [f"{1000 * p['groups_seconds_per_step'][g]:.2f}" for g in groups]
         table.add_row(p["label"], f"{1000 * p['step_seconds']:.1f}", *cells)
     return table
+
+
+def _step_progress(progress, total: int) -> Callable[[str, int], None]:
+    """A "decoding (steps)" task and the callback that advances it, naming the run."""
+    task = progress.add_task("decoding (steps)", total=total)
+
+    def advance(label: str, k: int) -> None:
+        progress.update(task, advance=k, description=label)
+
+    return advance
 
 
 def bench_command(
@@ -197,11 +208,7 @@ def bench_command(
         run_capacity(model, prompt_ids, plans, n, capacity, interleave, header, machine, runs, out, threads)
         return
     with progress_bar() as progress:
-        task = progress.add_task("decoding (steps)", total=n * (len(runs) + 1))
-
-        def advance(label: str, k: int) -> None:
-            progress.update(task, advance=k, description=label)
-
+        advance = _step_progress(progress, n * (len(runs) + 1))
         record = bench.run_benchmark(
             model,
             prompt_ids,
@@ -312,11 +319,7 @@ def run_capacity(
     """Decode every plan's batch, write the record and print the capacity table."""
     memory, fixed, max_batch = capacity
     with progress_bar() as progress:
-        task = progress.add_task("decoding (steps)", total=n * (len(plans) + 1))
-
-        def advance(label: str, k: int) -> None:
-            progress.update(task, advance=k, description=label)
-
+        advance = _step_progress(progress, n * (len(plans) + 1))
         record = bench.run_batch_capacity(
             model,
             prompt_ids,
