@@ -76,6 +76,10 @@ def test_the_store_keeps_the_highest_eviction_scores_ties_to_the_newer_token() -
     # Head 0: 0.9 (7), 0.7 (15), then 0.5 for 3 and 9: the newer, 9. Kept in positional order.
     assert tier.token_index.tolist() == [[[7, 9, 15], [2, 5, 8]]]
     assert tier.scores.flatten().tolist() == pytest.approx([0.9, 0.5, 0.7, 0.3, 0.2, 0.1])
+    # Each kept token's K/V came with it (8 bits: within a few percent of its own vector).
+    stored = dequantize(tier.kq, torch.float32)
+    for h, picks in enumerate([[1, 2, 4], [0, 1, 2]]):
+        assert torch.allclose(stored[0, h], kv[0, h, picks], atol=0.05)
     # A second eviction: 4 (0.6) beats 9 (0.5) on head 0; on head 1 one newcomer, 1 (0.25),
     # beats 8 (0.1); EMPTY entries never come in.
     more = torch.tensor([[[4, 20], [1, EMPTY]]])

@@ -114,6 +114,20 @@ class LowTier:
         schedules feed one token a step: the slots grow by one until the budget)."""
         if index.shape[2] == 0:
             return
+        if index.shape[2] > self.budget:
+            # A newcomer that `budget` other newcomers outrank cannot stay: quantize only the
+            # best `budget` (a compaction hands over every slot, most of them kept, i.e. EMPTY).
+            pre = rank(scores, index)[..., : self.budget]
+
+            def pick(t: torch.Tensor) -> torch.Tensor:
+                return t.gather(2, pre[..., None].expand(-1, -1, -1, t.shape[-1]))
+
+            keys, values, index, scores = (
+                pick(keys),
+                pick(values),
+                index.gather(2, pre),
+                scores.gather(2, pre),
+            )
         new_k = quantize(keys, self.bits, self.group, 3)
         new_v = quantize(values, self.bits, self.group, 3)
         transient = [*_parts(new_k), *_parts(new_v)]  # counted until the merge is stored
