@@ -90,18 +90,27 @@ GqaReduce = Literal["max_logit", "mean", "max", "sum"]
 
 
 def window_attention(
-    obs: Observation, keys: torch.Tensor, *, exclude_last: int = 0, gqa: GqaReduce = "mean"
+    obs: Observation,
+    keys: torch.Tensor,
+    *,
+    exclude_last: int = 0,
+    gqa: GqaReduce = "mean",
+    softmax_over: Literal["candidates", "all"] = "candidates",
 ) -> torch.Tensor:
     """Attention probabilities of the observed queries, one row per KV head: [B, H, W, T].
 
     gqa: how the G query heads of a group become one row. "max_logit" takes the max of the
     logits before one softmax (R-KV); "mean"/"max"/"sum" reduce per-head probabilities.
+    softmax_over: "candidates" normalises over the keys left after `exclude_last`; "all" over
+    every key the query attends (the newest included, as kvpress's SnapKV does), then zeroes
+    the excluded ones, so a query that looks mostly at the newest tokens weighs little.
     """
     logits = grouped_logits(obs.queries, keys, obs.scaling)
     allowed = candidate_mask(obs, exclude_last)
+    norm = allowed if softmax_over == "candidates" or not exclude_last else candidate_mask(obs, 0)
     if gqa == "max_logit":
-        return masked_softmax(logits.amax(dim=2), allowed[:, :, 0])
-    probs = masked_softmax(logits, allowed)
+        return masked_softmax(logits.amax(dim=2), norm[:, :, 0]) * allowed[:, :, 0]
+    probs = masked_softmax(logits, norm) * allowed
     return {"mean": probs.mean, "max": lambda dim: probs.amax(dim=dim), "sum": probs.sum}[gqa](dim=2)
 
 

@@ -29,7 +29,10 @@ class SnapKVScorer(Scorer):
     kernel: int = knob(7, ge=1, le=MAX_KERNEL)
     pooling: Literal["max", "avg", "none"] = "max"
     gqa: GqaReduce = "max_logit"
+    softmax: Literal["candidates", "all"] = "candidates"
+    """Normalise over the candidates C (the paper's formula above) or over every key, the newest
+    `window` included, before they are left out (kvpress's DecodingPress(SnapKVPress))."""
 
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        probs = window_attention(obs, keys, exclude_last=self.window, gqa=self.gqa)
+        probs = window_attention(obs, keys, exclude_last=self.window, gqa=self.gqa, softmax_over=self.softmax)
         return pool_tokens(reduce_queries(probs, obs, "mean"), self.kernel, self.pooling)
