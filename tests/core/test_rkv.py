@@ -73,6 +73,8 @@ def reference_rkv(obs: Observation, keys: torch.Tensor, window: int, kernel: int
             for j in range(t_n):
                 red = math.exp(mean[j]) / z if j in mean else 0.0
                 out[b, h, j] = lam * pooled[j] - (1 - lam) * red
+                if j in newest:  # left out of the scoring window, so kept: the top score
+                    out[b, h, j] = torch.finfo(torch.float32).max
     return out
 
 
@@ -147,7 +149,7 @@ def test_rkv_redundancy_spares_the_newest_duplicate():
     expected = torch.softmax(torch.tensor([2.0, 0, 1, 0, 0, 0]) / 6, dim=0)
     assert torch.allclose(red, expected, atol=1e-6)
     assert red[0] > red[2] > red[4] == red[1]
-    scores = RKVScorer(mix_lambda=0.0).score(obs, keys, keys)
+    scores = RKVScorer(mix_lambda=0.0, window=0).score(obs, keys, keys)  # no window: all 6 scored
     none = torch.zeros(1, 1, 6, dtype=torch.bool)
     slots, _ = select_tokens(scores, obs.token_index, torch.tensor([[4]]), none)
     assert slots[0, 0].tolist() == [1, 3, 4, 5]  # the two older copies go

@@ -1,11 +1,15 @@
-"""window_attention's two normalisations, against a loop over queries on hand-made keys."""
+"""window_attention's two normalisations, against a loop over queries on hand-made keys, and
+the scoring window a scorer leaves out: kept."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from reasonkv.core.policy.base import Observation, window_attention
+from reasonkv.core.policy.base import EMPTY, Observation, window_attention
+from reasonkv.core.policy.scorers.rkv import RKVScorer
+from reasonkv.core.policy.scorers.snapkv import SnapKVScorer
+from reasonkv.core.policy.selection import protected_mask, select_tokens
 
 
 @pytest.mark.parametrize("gqa", ["mean", "max_logit"])
@@ -26,3 +30,19 @@ def test_softmax_over_all_keys_then_dropping_the_newest_matches_a_loop(gqa) -> N
         assert torch.allclose(only[0, 0, w, :3], over_candidates, atol=1e-6)
         assert both[0, 0, w, 3:].abs().max() == 0 and only[0, 0, w, 3:].abs().max() == 0
         assert float(both[0, 0, w].sum()) < 1 - 1e-3  # the newest tokens' share is gone
+
+
+@pytest.mark.parametrize("scorer", [SnapKVScorer(window=4), RKVScorer(window=4)])
+def test_the_scoring_window_is_kept_even_where_fewer_are_protected(scorer) -> None:
+    """Tokens left out of the scoring window (the 4 newest real ones) score at the top, so a
+    method protecting only 1 recent token still keeps them, instead of evicting them first."""
+    torch.manual_seed(1)
+    keys = torch.randn(1, 1, 10, 4)
+    index = torch.tensor([[[0, 1, 2, 3, 4, 5, 6, 7, EMPTY, 9]]])  # a hole among the newest
+    obs = Observation(torch.randn(1, 2, 4, 4), torch.tensor([[6, 7, 8, 9]]), index, 0.5)
+    scores = scorer.score(obs, keys, keys)
+    top = torch.finfo(scores.dtype).max
+    assert scores[0, 0, [5, 6, 7, 9]].eq(top).all() and scores[0, 0, :5].lt(top).all()
+    protected = protected_mask(index, 0, 1)  # only the newest token
+    slots, _ = select_tokens(scores, index, torch.tensor([[5]]), protected)
+    assert set(slots[0, 0].tolist()) >= {5, 6, 7, 9}

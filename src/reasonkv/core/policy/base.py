@@ -66,14 +66,27 @@ def grouped_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) ->
     return torch.einsum("bhgwd,bhtd->bhgwt", q, keys.float()) * scaling
 
 
+def newest_mask(obs: Observation, n: int) -> torch.Tensor:
+    """[B, H, T] the `n` newest real tokens of each head."""
+    valid = obs.key_valid
+    rank_from_end = valid.flip(-1).cumsum(-1).flip(-1)  # 1 for the newest real token
+    return valid & (rank_from_end <= n)
+
+
+def keep_newest(scores: torch.Tensor, obs: Observation, n: int) -> torch.Tensor:
+    """`scores` with the `n` newest real tokens of each head at the top (the largest finite
+    value): what a scorer leaves out of its own scoring window must survive, even where the
+    method protects fewer (n_recent < window)."""
+    return scores.masked_fill(newest_mask(obs, n), torch.finfo(scores.dtype).max)
+
+
 def candidate_mask(obs: Observation, exclude_last: int = 0) -> torch.Tensor:
     """[B, 1, 1, W, T] keys a window query may attend for scoring: real tokens, causally
     before it, and not among the `exclude_last` newest real tokens of the head (the recent
     window that is kept anyway: R-KV, SnapKV and RPC take the softmax over the rest only)."""
     valid = obs.key_valid
     if exclude_last > 0:
-        rank_from_end = valid.flip(-1).cumsum(-1).flip(-1)  # 1 for the newest real token
-        valid = valid & (rank_from_end > exclude_last)
+        valid = valid & ~newest_mask(obs, exclude_last)
     causal = obs.token_index[:, :, None, :] <= obs.query_index[:, None, :, None]  # [B,H,W,T]
     allowed = valid[:, :, None, :] & causal & obs.query_valid[:, None, :, None]
     return allowed[:, :, None]  # broadcast over the group

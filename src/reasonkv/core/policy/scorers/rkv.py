@@ -17,6 +17,7 @@ import torch
 from reasonkv.core.policy.base import (
     MAX_KERNEL,
     Observation,
+    keep_newest,
     masked_softmax,
     pool_tokens,
     reduce_queries,
@@ -50,7 +51,8 @@ class RKVScorer(Scorer):
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         probs = window_attention(obs, keys, exclude_last=self.window, gqa="max_logit")
         importance = pool_tokens(reduce_queries(probs, obs, "mean"), self.kernel, self.pooling)
-        return self.mix_lambda * importance - (1 - self.mix_lambda) * self.redundancy(obs, keys)
+        scores = self.mix_lambda * importance - (1 - self.mix_lambda) * self.redundancy(obs, keys)
+        return keep_newest(scores, obs, self.window)
 
     def redundancy(self, obs: Observation, keys: torch.Tensor) -> torch.Tensor:
         """[B, H, T] R_j: a distribution over each head's real keys (0 on EMPTY slots)."""

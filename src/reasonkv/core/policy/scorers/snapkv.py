@@ -15,6 +15,7 @@ from reasonkv.core.policy.base import (
     MAX_KERNEL,
     GqaReduce,
     Observation,
+    keep_newest,
     pool_tokens,
     reduce_queries,
     window_attention,
@@ -35,4 +36,5 @@ class SnapKVScorer(Scorer):
 
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         probs = window_attention(obs, keys, exclude_last=self.window, gqa=self.gqa, softmax_over=self.softmax)
-        return pool_tokens(reduce_queries(probs, obs, "mean"), self.kernel, self.pooling)
+        scores = pool_tokens(reduce_queries(probs, obs, "mean"), self.kernel, self.pooling)
+        return keep_newest(scores, obs, self.window)
