@@ -67,6 +67,23 @@ def profile_table(profiles: list[dict]) -> Table:
     return table
 
 
+def _save_record(header: dict, machine: dict, threads: int, runs: list, results: dict, out: Path) -> dict:
+    """The bench record (command, machine after the run, planned runs, results, peak RSS),
+    written to `out`; both the per-sequence and the batch-capacity paths save it so."""
+    machine["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    record = {
+        **header,
+        "created": utc_timestamp(),
+        "threads": threads,
+        "machine": machine,
+        "runs_planned": [r.to_dict() for r in runs],
+        **results,
+        "process_max_rss": bench.max_rss(),
+    }
+    write_json_atomic(record, out, indent=1)
+    return record
+
+
 def _step_progress(progress, total: int) -> Callable[[str, int], None]:
     """A "decoding (steps)" task and the callback that advances it, naming the run."""
     task = progress.add_task("decoding (steps)", total=total)
@@ -230,18 +247,7 @@ def bench_command(
                 )
                 progress.advance(ptask)
 
-    machine["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    record = {
-        **header,
-        "created": utc_timestamp(),
-        "threads": threads,
-        "machine": machine,
-        "runs_planned": [r.to_dict() for r in runs],
-        **record,
-        "profiles": profiles,
-        "process_max_rss": bench.max_rss(),
-    }
-    write_json_atomic(record, out, indent=1)
+    record = _save_record(header, machine, threads, runs, {**record, "profiles": profiles}, out)
 
     console.print(bench.summary_table(record))
     console.print(bench.windows_table(record))
@@ -331,17 +337,7 @@ def run_capacity(
             interleave=interleave,
             progress=advance,
         )
-    machine["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    record = {
-        **header,
-        "created": utc_timestamp(),
-        "threads": threads,
-        "machine": machine,
-        "runs_planned": [r.to_dict() for r in runs],
-        **record,
-        "process_max_rss": bench.max_rss(),
-    }
-    write_json_atomic(record, out, indent=1)
+    record = _save_record(header, machine, threads, runs, record, out)
     console.print(bench.capacity_table(record))
     over = record["batch_capacity"]["over_limit"]
     if over:
