@@ -94,6 +94,37 @@ def test_kl_zero_is_kept_off_the_log_axes_and_named(tmp_path) -> None:
     assert model_note("m") is None
 
 
+def test_quantized_methods_share_the_16_bit_peak_axis_as_single_points() -> None:
+    """quant-int4 has no budget and a KL above 0: one point at its peak bytes, not the full
+    cache's dashed line; the memory axis is the 16-bit peak (fp32 units derived at half)."""
+
+    def with_peak(record, as_run, at16=None):
+        record["metrics"]["decode_peak_kv_bytes"] = as_run
+        if at16 is not None:
+            record["metrics"]["decode_peak_kv_bytes_16bit"] = at16
+        return record
+
+    records = [with_peak(_replay("full", None, 0.0, live=1000), 64 * 2**20)]
+    records += [with_peak(_replay("snapkv", b, 0.3 * 64 / b, live=b), b * 2**16) for b in (64, 128)]
+    records.append(with_peak(_replay("quant-int4", None, 0.02, live=1000), 20 * 2**20, at16=12 * 2**20))
+    (section,) = summarize_results(records)
+    by_name = {}
+    for row in section.rows:
+        by_name.setdefault(row["name"], []).append(row)
+    plt = pyplot()
+    fig, axes, caption = _replay_figure(plt, by_name, method_styles(list(by_name)), section)
+    ax_mem = axes[0][0]
+    assert "16 bits" in ax_mem.get_xlabel()
+    (quant,) = [ln for ln in ax_mem.get_lines() if ln.get_label() == "quant-int4"]
+    assert list(quant.get_xdata()) == [12.0] and list(quant.get_ydata()) == [0.02]
+    (snap,) = [ln for ln in ax_mem.get_lines() if ln.get_label() == "snapkv"]
+    assert list(snap.get_xdata()) == [2.0, 4.0]  # b * 64 KiB as run, half at 16 bits
+    dashed = [ln for ln in ax_mem.get_lines() if ln.get_label() == "full (KL 0)"]
+    assert len(dashed) == 1 and list(dashed[0].get_xdata()) == [32.0, 32.0]
+    assert "Single points" in caption
+    plt.close(fig)
+
+
 def test_eval_accuracy_axis_is_clamped_with_n_and_intervals() -> None:
     rows = []
     for b, p in ((64, 0.0), (128, 0.5), (None, 1.0)):

@@ -23,7 +23,13 @@ from cli_helpers import CharTokenizer, errors_of, runner, tiny_llama
 from reasonkv.cli import sweep as sweep_cli
 from reasonkv.harness import replay as replay_mod
 from reasonkv.harness import sweep as sw
-from reasonkv.harness.report import load_records, markdown_table, rich_table, summarize_results
+from reasonkv.harness.report import (
+    load_records,
+    markdown_table,
+    rich_table,
+    summarize_results,
+    unit_peak_16bit,
+)
 
 HERE = Path(__file__).resolve().parent  # this module: the sweep loader below
 TESTS = HERE.parent  # the tests folder: conftest and the helper modules
@@ -231,6 +237,9 @@ def test_sweep_writes_one_line_per_unit_and_a_rerun_does_nothing(tmp_path) -> No
     assert {"seconds", "task_seconds", "load_seconds"} <= set(r["timings"])
     snap = next(x for x in lines if x["config"]["method"] == "snapkv")
     assert snap["metrics"]["compressions"] > 0 and snap["metrics"]["mean_kl"] > 0
+    # fp32 and unquantized: every K/V value counts 2 bytes at 16 bits instead of 4.
+    for key in ("peak_kv_bytes", "decode_peak_kv_bytes", "mean_kv_bytes"):
+        assert snap["metrics"][f"{key}_16bit"] == snap["metrics"][key] / 2 > 0
     assert LOADS == ["tiny"]  # one model load for the whole sweep
 
     before = out.read_bytes()
@@ -588,12 +597,13 @@ def test_report_pools_positions_over_traces(tmp_path) -> None:
 
     md = markdown_table(section).splitlines()
     assert md[0] == (
-        "| method | budget | traces | tokens | mean KL | top-1 | ppl ratio | peak K/V | peak live "
-        "| live/head "
+        "| method | budget | traces | tokens | mean KL | top-1 | ppl ratio | peak K/V | peak @16-bit "
+        "| peak live | live/head "
         "| errors |"
     )
-    assert md[3] == "| snapkv | 64 | 2 | 400 | 0.1500 | 0.825 | 1.078 | 3.0 MiB | 80 | 35 |  |"
-    assert md[4] == "| snapkv | 128 | 1 | 100 | 0.0200 | 0.980 | 1.010 | - | - | 10 | 1 |"
+    # fp32 records from before the 16-bit count: unquantized, so exactly half at 16 bits.
+    assert md[3] == "| snapkv | 64 | 2 | 400 | 0.1500 | 0.825 | 1.078 | 3.0 MiB | 1.5 MiB | 80 | 35 |  |"
+    assert md[4] == "| snapkv | 128 | 1 | 100 | 0.0200 | 0.980 | 1.010 | - | - | - | 10 | 1 |"
 
     result = runner.invoke(
         app(), ["report", str(path), "--out", str(tmp_path / "rep")], env={"COLUMNS": "200"}
@@ -603,8 +613,26 @@ def test_report_pools_positions_over_traces(tmp_path) -> None:
     assert "1 unreadable line" in result.output
     assert (tmp_path / "rep" / "fidelity.png").stat().st_size > 1000
     text = (tmp_path / "rep" / "report.md").read_text()
-    assert "| snapkv | 64 | 2 | 400 | 0.1500 | 0.825 | 1.078 | 3.0 MiB | 80 | 35 |  |" in text
+    assert "| snapkv | 64 | 2 | 400 | 0.1500 | 0.825 | 1.078 | 3.0 MiB | 1.5 MiB | 80 | 35 |  |" in text
     assert "(fidelity.png)" in text
+
+
+def test_peak_at_16_bits_is_recorded_or_derived_only_where_exact() -> None:
+    def unit(method, knobs=None, **extra):
+        line = replay_line("k", method, 64, "t1", (10, 1.0, 9, 1.0, 2.0), peak=(8 * 2**20, 70))
+        line["config"]["knobs"] = knobs or {}
+        line["config"].update(extra.pop("config", {}))
+        line["metrics"].update(extra)
+        return line
+
+    assert unit_peak_16bit(unit("snapkv")) == 4 * 2**20  # fp32 on the CPU, unquantized: half
+    assert unit_peak_16bit(unit("snapkv", decode_peak_kv_bytes_16bit=123.0)) == 123.0  # as recorded
+    # Quantized storage or another dtype: half would be wrong, so nothing is derived.
+    assert unit_peak_16bit(unit("snapkv", {"kv_bits": 4})) is None
+    assert unit_peak_16bit(unit("snapkv", {"low_budget": 32})) is None
+    assert unit_peak_16bit(unit("quant-int4")) is None
+    assert unit_peak_16bit(unit("snapkv", config={"dtype": "bfloat16"})) is None
+    assert unit_peak_16bit(unit("no-such-method")) is None
 
 
 def test_report_labels_a_method_run_with_two_knob_settings(tmp_path) -> None:

@@ -170,6 +170,8 @@ def replay_command(
         "runs": [r.to_dict() for r in runs],
         "wall_seconds": wall,
         "command": command_line("replay", parts + placement_parts(where)),
+        "device": str(where["device"]),
+        "dtype": str(where["dtype"]).removeprefix("torch."),
         "created": utc_timestamp(),
         "summary": summary,
         "per_trace": [r.to_dict(bin_size, per_position) for r in results],

@@ -15,7 +15,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from reasonkv.cli.common import console, err_console, fail, replay_unit_line
+from reasonkv.cli.common import console, err_console, fail, replay_unit_line, split_list
 from reasonkv.harness.report import load_records, rich_table, summarize_results, write_report
 from reasonkv.harness.sweep import GridError, SweepPlan, load_grid, plan, read_results, run_sweep
 from reasonkv.util.progress import progress_for
@@ -172,6 +172,14 @@ def report_command(
         Path | None,
         typer.Option("--out", "-o", help="Folder for report.md and the plots (default: RESULTS-report/)."),
     ] = None,
+    methods: Annotated[
+        str | None,
+        typer.Option(
+            "--methods",
+            "-m",
+            help="Report only these methods (comma-separated; every knob setting of each), in this order.",
+        ),
+    ] = None,
 ) -> None:
     """Tables (method × budget) and plots (fidelity or accuracy vs budget) of sweep, replay and
     eval results."""
@@ -184,6 +192,18 @@ def report_command(
         fail(str(err))
     if not records:
         fail(f"no results in {', '.join(map(str, results))}")
+    if methods is not None:
+        wanted = split_list(methods, "--methods")
+        present = {r["config"]["method"] for r in records}
+        absent = [m for m in wanted if m not in present]
+        if absent:
+            fail(
+                f"no results for {', '.join(absent)} in these files (they hold {', '.join(sorted(present))})"
+            )
+        order = {m: i for i, m in enumerate(wanted)}
+        records = sorted(
+            (r for r in records if r["config"]["method"] in order), key=lambda r: order[r["config"]["method"]]
+        )
     try:
         sections = summarize_results(records)
     except (KeyError, TypeError) as err:

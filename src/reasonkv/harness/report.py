@@ -21,6 +21,7 @@ from pathlib import Path
 
 from reasonkv.harness.report_inputs import read_any
 from reasonkv.harness.report_plot import model_note, plot_section
+from reasonkv.methods.registry import get_method
 from reasonkv.util.formatting import format_bytes, format_or_dash
 from reasonkv.util.tables import fill_table
 
@@ -65,6 +66,29 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
+def _stores_quantized(method: str, knobs: dict) -> bool | None:
+    """Whether a method's cache stored K/V below the model's precision (None: unknown method)."""
+    try:
+        settings = {**get_method(method).knobs(), **knobs}
+    except ValueError:
+        return None
+    return settings.get("kv_bits", 16) != 16 or bool(settings.get("low_budget", 0))
+
+
+def unit_peak_16bit(unit: dict) -> float | None:
+    """A replay unit's peak K/V while decoding with every unquantized value at 16 bits (what a
+    bf16/fp16 server holds). Units from before that count was recorded all ran on the CPU in
+    fp32, 4 bytes a value: where they stored nothing quantized it is exactly half their peak."""
+    m, c = unit["metrics"], unit["config"]
+    if m.get("decode_peak_kv_bytes_16bit") is not None:
+        return m["decode_peak_kv_bytes_16bit"]
+    as_run = m.get("decode_peak_kv_bytes")
+    fp32_cpu = c.get("dtype", "float32") == "float32" and c.get("device", "cpu") == "cpu"
+    if as_run is None or not fp32_cpu or _stores_quantized(c["method"], c.get("knobs", {})) is not False:
+        return None
+    return as_run / 2
+
+
 def _replay_row(units: list[dict]) -> dict:
     ok = [u for u in units if u.get("status") == "ok"]
     s = {"n": 0, "kl": 0.0, "top1": 0.0, "nll_full": 0.0, "nll": 0.0}
@@ -75,8 +99,8 @@ def _replay_row(units: list[dict]) -> dict:
         live += u["metrics"]["live_tokens"] * u["metrics"]["sums"]["n"]
     n = s["n"]
 
-    def mean_over_traces(key: str) -> float | None:  # None when any unit predates the field
-        values = [u["metrics"].get(key) for u in ok]
+    def mean_over_traces(key) -> float | None:  # None when any unit predates the field
+        values = [key(u) if callable(key) else u["metrics"].get(key) for u in ok]
         return sum(values) / len(values) if values and None not in values else None
 
     return {
@@ -90,6 +114,7 @@ def _replay_row(units: list[dict]) -> dict:
         # would otherwise set every method's peak at small budgets.
         "peak_live_tokens": mean_over_traces("decode_peak_live_tokens"),
         "peak_kv_bytes": mean_over_traces("decode_peak_kv_bytes"),
+        "peak_kv_bytes_16bit": mean_over_traces(unit_peak_16bit),
         "seconds": sum(u.get("timings", {}).get("seconds", 0.0) for u in ok),
     }
 
@@ -169,6 +194,7 @@ COLUMNS = {
         "top-1",
         "ppl ratio",
         "peak K/V",
+        "peak @16-bit",
         "peak live",
         "live/head",
         "errors",
@@ -201,6 +227,7 @@ def cells(kind: str, row: dict) -> list[str]:
             format_or_dash(row["top1"], ".3f"),
             format_or_dash(row["ppl_ratio"], ".3f"),
             "-" if row.get("peak_kv_bytes") is None else format_bytes(row["peak_kv_bytes"]),
+            "-" if row.get("peak_kv_bytes_16bit") is None else format_bytes(row["peak_kv_bytes_16bit"]),
             format_or_dash(row.get("peak_live_tokens"), ".0f"),
             format_or_dash(row["live_tokens"], ".0f"),
             errors,
@@ -227,7 +254,8 @@ def rich_table(section: Section, width: int | None = None):
     caption = (
         "pooled over every scored trace position (tokens); mean KL(full ‖ method) in nats; top-1: "
         "argmax agrees with full; ppl ratio: exp(mean NLL − mean NLL of full); peak K/V: the most K/V "
-        "storage held at once per sequence while decoding; peak live / live/head: KV tokens per head "
+        "storage held at once per sequence while decoding, as run and with every unquantized value "
+        "at 16 bits (bf16/fp16 serving); peak live / live/head: KV tokens per head "
         "attended, at most / on average"
         if section.kind == "replay"
         else "pooled over every sample; length: mean generated tokens; truncated: hit max_new_tokens"
@@ -249,7 +277,10 @@ def rich_table(section: Section, width: int | None = None):
     return fill_table(table, names, rows, row_styles=styles, width=width, optional=NARROW_DROPS[section.kind])
 
 
-NARROW_DROPS = {"replay": ["tokens", "traces", "ppl ratio", "peak live"], "eval": ["samples", "problems"]}
+NARROW_DROPS = {
+    "replay": ["tokens", "traces", "ppl ratio", "peak live", "peak K/V"],
+    "eval": ["samples", "problems"],
+}
 """Columns a narrow terminal leaves out, in order (the Markdown report keeps every column)."""
 
 

@@ -73,6 +73,13 @@ _MEANS = {"kl": "mean_kl", "top1": "top1", "nll_full": "nll_full", "nll": "nll"}
 """A replay sum and the per-trace mean it is saved as."""
 
 
+def _placement_of(obj: dict) -> dict[str, str]:
+    """The device and dtype a replay ran on, as a sweep config holds them: only where not the
+    CPU in fp32 (files from before they were recorded ran there)."""
+    where = {"device": obj.get("device", "cpu"), "dtype": obj.get("dtype", "float32")}
+    return {} if where == {"device": "cpu", "dtype": "float32"} else where
+
+
 def replay_records(obj: dict, path: str | Path = "") -> list[dict]:
     """One ok sweep record per trace × run of a `reasonkv replay --out` record."""
     model, dataset = obj["model"], _dataset_name(str(obj.get("traces_file", path)))
@@ -90,12 +97,14 @@ def replay_records(obj: dict, path: str | Path = "") -> list[dict]:
             "budget": budget,
             "knobs": knobs,
             "max_tokens": obj.get("max_tokens"),
+            **_placement_of(obj),
         }
         sums = {"n": n, **{k: (t.get(name) or 0.0) * n for k, name in _MEANS.items()}}  # means back to sums
         metrics = {
             "sums": sums,
             "live_tokens": t.get("live_tokens", 0.0),
             "decode_peak_kv_bytes": t.get("decode_peak_kv_bytes"),
+            "decode_peak_kv_bytes_16bit": t.get("decode_peak_kv_bytes_16bit"),
             "decode_peak_live_tokens": t.get("decode_peak_live_tokens"),
         }
         records.append(

@@ -201,22 +201,38 @@ def _relative_panel(ax, by_name, style, ref: str, limit: float = 60.0) -> None:
     _log2_ticks(ax, [x for pts in series.values() for x, _ in pts], exact=True)
 
 
+def _memory_axis(rows: list[dict]) -> tuple:
+    """The x of the memory panels: peak K/V bytes with unquantized values at 16 bits where every
+    row has them (methods storing K/V at 8/4/2 bits then sit on one axis with the rest), else
+    as run, else the budget (records from before peaks were measured)."""
+    for key, label in (
+        ("peak_kv_bytes_16bit", "peak K/V per sequence while decoding, unquantized values at 16 bits [MiB]"),
+        ("peak_kv_bytes", "peak K/V per sequence while decoding [MiB]"),
+    ):
+        if rows and all(r.get(key) is not None for r in rows):
+            return (lambda r, key=key: None if r.get(key) is None else r[key] / 2**20), label, True
+    return (lambda r: r["budget"]), "budget (KV tokens per head)", False
+
+
 def _replay_figure(plt, by_name, style, section) -> tuple:
+    # Rows without a budget: the full cache (KL 0, a dashed line) and methods that keep every
+    # token at lower precision (quant-int*: one point each, on the memory panels only).
+    full = [r for rows in by_name.values() for r in rows if r["budget"] is None and not r["mean_kl"]]
+    singles = {n: [r for r in rows if r["budget"] is None and r["mean_kl"]] for n, rows in by_name.items()}
+    singles = {n: rows for n, rows in singles.items() if rows}
     compressing = [r for rows in by_name.values() for r in rows if r["budget"] is not None]
-    by_peak = bool(compressing) and all(r.get("peak_kv_bytes") is not None for r in compressing)
-    if by_peak:
-        x_mem, x_label = (lambda r: r["peak_kv_bytes"] / 2**20), "peak K/V per sequence while decoding [MiB]"
-    else:
-        x_mem, x_label = (lambda r: r["budget"]), "budget (KV tokens per head)"
+    x_mem, x_label, by_peak = _memory_axis(compressing + [r for rows in singles.values() for r in rows])
+    if not by_peak:
+        singles = {}
     lines = {n: [r for r in rows if r["budget"] is not None] for n, rows in by_name.items()}
     lines = {n: rows for n, rows in lines.items() if rows}
-    full = [r for rows in by_name.values() for r in rows if r["budget"] is None]
     ref = _reference(lines)
+    drawn = {n: lines.get(n, []) + singles.get(n, []) for n in by_name if n in lines or n in singles}
     fig, axes = plt.subplots(2, 2, figsize=(12.5, 9.5))
     (ax_mem, ax_live), (ax_rel, ax_top) = axes
-    zeros = _lines(ax_mem, lines, style, x_mem, lambda r: r["mean_kl"], log_y=True)
-    _lines(ax_live, lines, style, lambda r: r["live_tokens"], lambda r: r["mean_kl"], log_y=True)
-    _lines(ax_top, lines, style, x_mem, lambda r: r["top1"])
+    zeros = _lines(ax_mem, drawn, style, x_mem, lambda r: r["mean_kl"], log_y=True)
+    _lines(ax_live, drawn, style, lambda r: r["live_tokens"], lambda r: r["mean_kl"], log_y=True)
+    _lines(ax_top, drawn, style, x_mem, lambda r: r["top1"])
     for ax, x_of in ((ax_mem, x_mem), (ax_live, lambda r: r["live_tokens"]), (ax_top, x_mem)):
         for r in full:
             if x_of(r) is not None:
@@ -224,7 +240,8 @@ def _replay_figure(plt, by_name, style, section) -> tuple:
     for ax, x_of, exact in ((ax_mem, x_mem, not by_peak), (ax_live, lambda r: r["live_tokens"], False)):
         xs = [x_of(r) for rows in by_name.values() for r in rows]
         _log2_ticks(ax, [x for x in xs if x is not None], exact=exact)
-    _log2_ticks(ax_top, [x_mem(r) for r in compressing + full if x_mem(r) is not None], exact=not by_peak)
+    on_top = compressing + full + [r for rows in singles.values() for r in rows]
+    _log2_ticks(ax_top, [x_mem(r) for r in on_top if x_mem(r) is not None], exact=not by_peak)
     ax_mem.set(xlabel=x_label, ylabel="mean KL(full ‖ method) [nats], log")
     ax_live.set(xlabel="live KV tokens per head (mean over positions)", ylabel="mean KL [nats], log")
     ax_top.set(xlabel=x_label, ylabel="top-1 agreement with full")
@@ -237,6 +254,8 @@ def _replay_figure(plt, by_name, style, section) -> tuple:
     notes = [
         "Thick lines: our methods (beaconkv, reasonalloc-*). Dashed grey: the full cache (KL 0).",
     ]
+    if singles:
+        notes.append("Single points: methods that evict nothing and store every token at lower precision.")
     if zeros:
         notes.append(
             "KL of exactly 0 cannot sit on a log axis: hollow markers on the bottom edge ("
