@@ -60,6 +60,22 @@ def test_runs_for_replay_and_bench_refuse_a_budget_below_the_window_before_loadi
     assert [(r.method, r.budget) for r in runs] == [("full", None), ("streaming", 5)]
 
 
+def test_a_method_entry_with_its_own_knobs_runs_beside_the_plain_method() -> None:
+    runs = common.build_runs(["snapkv", "snapkv:kv_bits=4:group_size=32", "quant-int2"], [64], {"window": 16})
+    assert [r.label for r in runs] == ["snapkv@64", "snapkv:kv_bits=4:group_size=32@64", "quant-int2"]
+    plain, quantized, quant = runs
+    assert plain.knobs == {"window": 16}  # --set goes to both settings of snapkv
+    assert quantized.knobs == {"window": 16, "kv_bits": 4, "group_size": 32}
+    assert quant.knobs == {}  # quant-int2 has no window: --set skips it
+    with pytest.raises(KnobError, match="kv_bits"):
+        common.build_runs(["snapkv:kv_bits=3"], [64], {})
+    with pytest.raises(KnobError, match="no_such_knob"):
+        common.build_runs(["snapkv:no_such_knob=1"], [64], {})
+    with pytest.raises(common.CliError, match="method:key=value"):
+        common.build_runs(["snapkv:kv_bits"], [64], {})
+    assert len(common.build_runs(["snapkv:kv_bits=4", "snapkv:kv_bits=4"], [64], {})) == 1
+
+
 def test_replay_with_a_bad_knob_exits_2_in_one_line(tmp_path) -> None:
     traces = tmp_path / "t.jsonl"
     traces.write_text("")

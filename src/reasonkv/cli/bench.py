@@ -99,7 +99,13 @@ def bench_command(
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     methods: Annotated[
-        str, typer.Option("--methods", "-m", help="Comma-separated names from `reasonkv methods` (+ full).")
+        str,
+        typer.Option(
+            "--methods",
+            "-m",
+            help="Comma-separated names from `reasonkv methods` (+ full); "
+            "name:key=value:... gives one its own knobs (snapkv,snapkv:kv_bits=4).",
+        ),
     ] = "full,streaming,snapkv,rkv,beaconkv",
     budgets: BudgetsOption = "512",
     lengths: Annotated[

@@ -162,19 +162,42 @@ def parse_sets(items: list[str] | None) -> dict[str, object]:
     return out
 
 
+def parse_method_entry(entry: str) -> tuple[str, dict[str, object]]:
+    """'snapkv:kv_bits=4:group_size=32' -> ('snapkv', {'kv_bits': 4, 'group_size': 32}): a
+    method with knobs of its own, beside --set's shared ones."""
+    name, *items = entry.split(":")
+    own: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CliError(f"method {entry!r}: knobs go as method:key=value:key=value, got {item!r}")
+        own[key.strip()] = parse_value(value)
+    return name.strip(), own
+
+
 def build_runs(methods: list[str], budgets: list[int], knobs: dict[str, object]) -> list[ReplayRun]:
     """Every (method, budget), `full` once. A --set knob goes to every method that has it; a
     knob that none of the methods knows is an error (a typo would otherwise be ignored), and so
-    is a budget below a method's protected window."""
-    own_knobs = knobs_for_methods(methods, knobs)
+    is a budget below a method's protected window. An entry `method:key=value` gives that run
+    knobs of its own (over --set's), so one method can run under two settings side by side."""
+    entries = list(
+        dict.fromkeys((name, tuple(own.items())) for name, own in map(parse_method_entry, methods))
+    )
+    shared = knobs_for_methods([name for name, _ in entries], knobs)
     runs = []
-    for name, own in own_knobs.items():
+    for name, extra in entries:
+        own = (
+            shared[name]
+            if not extra
+            else knobs_for_methods([name], {}, {name: {**shared[name], **dict(extra)}})[name]
+        )
+        tag = "".join(f":{k}={v}" for k, v in extra)
         if not get_method(name).compresses:
-            runs.append(ReplayRun(name, None, own))
+            runs.append(ReplayRun(name, None, own, tag))
             continue
         for b in budgets:
             check_budget(get_method(name), b, own)
-        runs += [ReplayRun(name, b, own) for b in budgets]
+        runs += [ReplayRun(name, b, own, tag) for b in budgets]
     return runs
 
 

@@ -72,7 +72,13 @@ def replay_command(
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     methods: Annotated[
-        str, typer.Option("--methods", "-m", help="Comma-separated names from `reasonkv methods`.")
+        str,
+        typer.Option(
+            "--methods",
+            "-m",
+            help="Comma-separated names from `reasonkv methods`; "
+            "name:key=value:... gives one its own knobs (snapkv,snapkv:kv_bits=4).",
+        ),
     ] = "full,streaming,snapkv,rkv",
     budgets: BudgetsOption = "128",
     ids: Annotated[

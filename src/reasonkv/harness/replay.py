@@ -103,10 +103,14 @@ class ReplayRun:
     method: str
     budget: int | None = None
     knobs: dict = field(default_factory=dict)
+    tag: str = ""
+    """Knobs this run alone was given (e.g. ":kv_bits=4"), so that two settings of one method
+    have two labels."""
 
     @property
     def label(self) -> str:
-        return self.method if self.budget is None else f"{self.method}@{self.budget}"
+        name = self.method + self.tag
+        return name if self.budget is None else f"{name}@{self.budget}"
 
     def to_dict(self) -> dict:
         """The run as saved in every record: method, budget, knobs."""
