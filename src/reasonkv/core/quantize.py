@@ -13,6 +13,7 @@ their own scale) and values per token (groups run along the channel axis).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,14 +54,43 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
+_SPREAD = {
+    4: (torch.int16, ((4, 0x0F0F),)),
+    2: (torch.int32, ((12, 0x000F000F), (6, 0x03030303))),
+}
+"""How `unpack` spreads the codes of a byte over the bytes of a wider integer (see there)."""
+
+
+def unpack_wide_dtype(bits: int) -> torch.dtype:
+    """The integer dtype `unpack_wide_` takes for `bits`-bit codes: one element per packed byte."""
+    return _SPREAD[bits][0]
+
+
+def unpack_wide_(wide: torch.Tensor, bits: int) -> torch.Tensor:
+    """`unpack` of bytes already widened to `unpack_wide_dtype(bits)` (contiguous), in place:
+    each code moves to its own byte, and the uint8 view of the result is the codes, in order."""
+    for shift, mask in _SPREAD[bits][1]:
+        wide.bitwise_or_(wide << shift).bitwise_and_(mask)
+    return wide.view(torch.uint8)
+
+
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of `pack`: [..., m] bytes -> uint8 codes [..., m * 8 / bits]."""
+    """The inverse of `pack`: [..., m] bytes -> uint8 codes [..., m * 8 / bits].
+
+    Each byte is widened to 2 (int4) or 4 (int2) bytes and its codes moved into a byte each
+    with a few whole-tensor shifts and masks; on a little-endian machine the bytes of the
+    result are then the codes in order (the first, low-bit code first). That is several
+    times faster than interleaving one tensor per code position (a strided uint8 copy)."""
     check_bits(bits)
     per = 8 // bits
     if per == 1:
         return packed
-    mask = 2**bits - 1  # one shift and mask per code in a byte: about twice as fast as broadcasting
-    return torch.stack([(packed >> (bits * i)) & mask for i in range(per)], -1).flatten(-2)
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian torch platform in use
+        mask = 2**bits - 1
+        return torch.stack([(packed >> (bits * i)) & mask for i in range(per)], -1).flatten(-2)
+    wide = torch.empty(packed.shape, dtype=unpack_wide_dtype(bits), device=packed.device)
+    wide.copy_(packed)
+    return unpack_wide_(wide, bits)
 
 
 @dataclass
@@ -137,10 +167,26 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Te
     """The tensor `q` stands for, in `dtype` (default: the scales' dtype)."""
     dtype = q.scale.dtype if dtype is None else dtype
     codes = unpack(q.codes, q.bits)
-    d = q.dim
-    codes = codes.unflatten(d, (codes.shape[d] // q.group_size, q.group_size))
-    scale, zero = q.scale.unsqueeze(d + 1).to(dtype), q.zero.unsqueeze(d + 1).to(dtype)
-    return torch.addcmul(zero, codes.to(dtype), scale).flatten(d, d + 1)
+    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    out.copy_(codes)
+    _scale_codes_(out, q.scale.to(dtype), q.zero.to(dtype), q.group_size, q.dim)
+    return out
+
+
+def _scale_codes_(
+    x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, dim: int
+) -> None:
+    """x (codes as floats, in scale's dtype) <- zero + x * scale, in place, per group along `dim`.
+
+    One addcmul, the same arithmetic for any layout. Groups along the last axis would put a
+    broadcast of a group's scale in the innermost loop, which the CPU kernel runs element by
+    element; expanding scale and zero first (a broadcast copy is fast) is several times faster.
+    """
+    x = x.unflatten(dim, (x.shape[dim] // group_size, group_size))
+    scale, zero = scale.unsqueeze(dim + 1), zero.unsqueeze(dim + 1)
+    if dim == x.dim() - 2:
+        scale, zero = scale.expand_as(x).contiguous(), zero.expand_as(x).contiguous()
+    torch.addcmul(zero, x, scale, out=x)
 
 
 @dataclass

@@ -23,11 +23,20 @@ at most half a new group's scale per compaction a token survives.
 
 from __future__ import annotations
 
+import sys
+from typing import NamedTuple
+
 import torch
 
 from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.base import EMPTY
-from reasonkv.core.quantize import KVFormat, QuantizedTensor, quantize
+from reasonkv.core.quantize import (
+    KVFormat,
+    QuantizedTensor,
+    quantize,
+    unpack_wide_,
+    unpack_wide_dtype,
+)
 from reasonkv.core.storage import KVStorage
 
 QUANT_CHUNK = 256
@@ -72,6 +81,44 @@ def _put(dst: QuantizedTensor, src: QuantizedTensor, start: int) -> None:
     dst.zero[:, :, start // g : (start + n) // g] = src.zero
 
 
+class _ReadPlan(NamedTuple):
+    """Views of the stored tensors that a read needs, made once per layout (no copies): the
+    quantized part's codes, the keys' scales and zeros shaped to broadcast over their groups,
+    the values' expanded over theirs (stride 0)."""
+
+    q_used: int
+    kq: QuantizedTensor
+    vq: QuantizedTensor
+    codes: tuple[torch.Tensor, torch.Tensor]
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_scale_zero: tuple[torch.Tensor, torch.Tensor]
+
+
+def _read_plan(
+    kq: QuantizedTensor, vq: QuantizedTensor, q_used: int, k_res: torch.Tensor, v_res: torch.Tensor
+) -> _ReadPlan | None:
+    """The plan of `QuantizedKVStorage._dequantize` or, where it does not apply (keys and values
+    of other head dims or dtypes, scales in another dtype, a big-endian machine), None."""
+    b, h, _, d = k_res.shape
+    dtypes = {kq.scale.dtype, kq.zero.dtype, vq.scale.dtype, vq.zero.dtype, k_res.dtype, v_res.dtype}
+    same = len(dtypes) == 1 and k_res.shape[-1] == v_res.shape[-1]
+    if not same or (kq.bits != 8 and sys.byteorder != "little"):
+        return None
+    g = kq.group_size
+    m = q_used // g
+    grouped = (b, h, q_used, d // g, g)
+    return _ReadPlan(
+        q_used,
+        kq,
+        vq,
+        (kq.codes[:, :, :q_used], vq.codes[:, :, :q_used]),
+        kq.scale[:, :, :m].unsqueeze(3),
+        kq.zero[:, :, :m].unsqueeze(3),
+        (vq.scale[:, :, :q_used, :, None].expand(grouped), vq.zero[:, :, :q_used, :, None].expand(grouped)),
+    )
+
+
 def _rows(q: QuantizedTensor, rows: torch.Tensor) -> QuantizedTensor:
     pick = [t.index_select(0, rows.to(t.device)) for t in (q.codes, q.scale, q.zero)]
     return QuantizedTensor(*pick, q.bits, q.group_size, q.dim)
@@ -98,6 +145,7 @@ class QuantizedKVStorage(KVStorage):
         self._view_owned = False  # is the view a dequantized copy (metered), not residual slices?
         self._stale: tuple[torch.Tensor, torch.Tensor] | None = None  # a retired view, still held
         self._index_cap = 0
+        self._plan: _ReadPlan | None = None  # views for reads, made once per layout (`_dequantize`)
         super().__init__(batch, heads, device, state_names, meter)
 
     # K/V are not held as such: `keys` and `values` read (dequantize) them.
@@ -124,13 +172,48 @@ class QuantizedKVStorage(KVStorage):
             if self.q_used == 0:
                 self._view = (k_res, v_res)
             else:
-                dtype = self.k_res.dtype
-                keys = torch.cat([_head(self.kq, self.q_used).dequantize(dtype), k_res], dim=2)
-                values = torch.cat([_head(self.vq, self.q_used).dequantize(dtype), v_res], dim=2)
+                keys, values = self._dequantize(k_res, v_res)
                 self._view = (keys, values)
                 self._view_owned = True
                 self.meter.add(keys, values)
         return self._view
+
+    def _dequantize(self, k_res: torch.Tensor, v_res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[dequantized part ; residual] keys and values, exactly `dequantize` of each part.
+
+        Decoding pays this for every layer at every step, on tensors small enough (a few
+        hundred tokens of a few heads) that each op's fixed cost counts as much as its work.
+        So: keys and values share one fresh buffer [2B, H, used, D] (both halves are the
+        step's view, metered as before: the same bytes as two tensors); their codes are
+        widened in one copy, unpacked with whole-tensor shifts and masks (`unpack_wide_`),
+        converted into the buffer in one copy, scaled there in place (one addcmul each, the
+        arithmetic of `dequantize`), and the residuals copied in after them in one more."""
+        plan = self._plan
+        if plan is None or plan.q_used != self.q_used or plan.kq is not self.kq or plan.vq is not self.vq:
+            plan = self._plan = _read_plan(self.kq, self.vq, self.q_used, self.k_res, self.v_res)
+        if plan is None:
+            dtype = self.k_res.dtype
+            keys = torch.cat([_head(self.kq, self.q_used).dequantize(dtype), k_res], dim=2)
+            values = torch.cat([_head(self.vq, self.q_used).dequantize(dtype), v_res], dim=2)
+            return keys, values
+        b, h, n, d = k_res.shape
+        q, g, bits = self.q_used, self.fmt.group_size, self.kq.bits
+        out = k_res.new_empty(2 * b, h, q + n, d)
+        quantized = out[:, :, :q]
+        if bits == 8:
+            torch.cat(plan.codes, out=quantized)
+        else:
+            wide = torch.empty(2 * b, h, q, d * bits // 8, dtype=unpack_wide_dtype(bits), device=out.device)
+            torch.cat(plan.codes, out=wide)
+            quantized.copy_(unpack_wide_(wide, bits).view(2 * b, h, q, d))
+        keys = quantized[:b].unflatten(2, (q // g, g))
+        torch.addcmul(plan.k_zero, keys, plan.k_scale, out=keys)
+        expanded = out.new_empty(2 * b, h, q, d // g, g)  # the values' scales, then their zeros
+        torch.cat(plan.v_scale_zero, out=expanded)
+        values = quantized[b:].unflatten(3, (d // g, g))
+        torch.addcmul(expanded[b:], values, expanded[:b], out=values)
+        torch.cat([k_res, v_res], out=out[:, :, q:])
+        return out[:b], out[b:]
 
     def read_keys(self) -> torch.Tensor:
         return self._read()[0]
@@ -298,6 +381,7 @@ class QuantizedKVStorage(KVStorage):
         """Swap in new K/V tensors; the meter sees the new ones before the old ones go."""
         new = [kq.codes, kq.scale, kq.zero, vq.codes, vq.scale, vq.zero, k_res, v_res]
         held = self._kv_tensors()
+        self._plan = None
         self.meter.add(*[t for t in new if not any(t is x for x in held)])
         self.meter.remove(*[t for t in held if not any(t is x for x in new)])
         self.kq, self.vq, self.k_res, self.v_res = kq, vq, k_res, v_res
@@ -340,4 +424,5 @@ class QuantizedKVStorage(KVStorage):
         self._drop_view()
         self.meter.remove(*self._kv_tensors())
         self.kq = self.vq = self.k_res = self.v_res = None
+        self._plan = None
         self.token_index = None
