@@ -159,3 +159,21 @@ def test_load_model_builds_on_the_device_with_the_default_tokenizer() -> None:
     assert model.config.eos_token_id == tokenizer.eos_token_id
     assert model.generation_config.pad_token_id == tokenizer.pad_token_id
     assert model_shape(model).n_layers == 2
+
+
+@pytest.mark.model
+def test_a_saved_tokenizer_stands_in_for_the_bundled_model(tmp_path, monkeypatch) -> None:
+    from reasonkv.core.models import TOKENIZER_ENV, random_model_tokenizer
+
+    monkeypatch.delenv(TOKENIZER_ENV, raising=False)
+    bundled = random_model_tokenizer()
+    bundled.save_pretrained(tmp_path / "tok")
+    monkeypatch.setenv(TOKENIZER_ENV, str(tmp_path / "tok"))
+    saved = random_model_tokenizer()
+    text = "Why is 17 * 23 = 391? Think step by step."
+    assert saved(text).input_ids == bundled(text).input_ids and saved.padding_side == "left"
+    model, tokenizer = reasonkv.load_model(small("qwen3-0.6b"), device="cpu", dtype="float32")
+    assert tokenizer(text).input_ids == bundled(text).input_ids
+    monkeypatch.setenv(TOKENIZER_ENV, str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no tokenizer saved there"):
+        random_model_tokenizer()

@@ -18,6 +18,7 @@ import torch
 
 from reasonkv.core.random_models import (
     RANDOM_MODELS,
+    TOKENIZER_VOCAB,
     build_random_model,
     is_random_model,
     random_config,
@@ -307,6 +308,31 @@ def _left_padding(tokenizer):
     return tokenizer
 
 
+TOKENIZER_ENV = "REASONKV_TOKENIZER"
+
+
+def random_model_tokenizer():
+    """The tokenizer random models use: the folder `REASONKV_TOKENIZER` names, else the bundled
+    default model's (read from its GGUF)."""
+    from transformers import AutoTokenizer
+
+    folder = os.environ.get(TOKENIZER_ENV)
+    if folder:
+        if not (Path(folder) / "tokenizer_config.json").is_file():
+            raise FileNotFoundError(
+                f"{TOKENIZER_ENV}={folder}: no tokenizer saved there (tokenizer_config.json)"
+            )
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        if len(tokenizer) > TOKENIZER_VOCAB:
+            raise ValueError(
+                f"{TOKENIZER_ENV}={folder}: {len(tokenizer)} tokens, random models hold {TOKENIZER_VOCAB}"
+            )
+    else:
+        path = bundled_gguf_path(DEFAULT_MODEL)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return _left_padding(tokenizer)
+
+
 def load_random_model(
     name: str,
     dtype: torch.dtype | str | None = "auto",
@@ -317,15 +343,14 @@ def load_random_model(
     """`random:<name>[:key=value,...]`: the shape built on `device` in `dtype` with seeded random
     weights (nothing downloaded), and the bundled default model's tokenizer (SmolLM2's, 49,152
     tokens, which fit in every random vocabulary; ids the model writes above them decode to
-    nothing). The name is checked before anything loads."""
-    from transformers import AutoTokenizer
-
+    nothing). `REASONKV_TOKENIZER`, a folder holding that tokenizer saved by transformers
+    (`save_pretrained`), stands in for the bundled model on a machine without it. The name is
+    checked before anything loads."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     config = random_config(name)
     check_supported(config)
-    path = bundled_gguf_path(DEFAULT_MODEL)
-    tokenizer = _left_padding(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+    tokenizer = random_model_tokenizer()
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
