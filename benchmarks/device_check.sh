@@ -23,6 +23,9 @@ WINDOW=${WINDOW:-}                        # decode steps per tok/s window; empty
 TESTS=${TESTS:-auto}                      # auto: whole suite when DEVICE is not cpu, else the random-model tests; 1: whole suite; 0: none
 FIXED_MEMORY=${FIXED_MEMORY:-}            # e.g. 16GiB: also bench at a fixed K/V memory (needs bench --kv-memory)
 PYTHON=${PYTHON:-python}
+PYTEST_ARGS=${PYTEST_ARGS:-}              # e.g. "-n 12 -x" (pytest-xdist) on a many-core machine
+TEST_TIMEOUT=${TEST_TIMEOUT:-0}           # seconds for the tests (0: no limit), so a slow suite leaves time for the bench
+BENCH_ARGS=${BENCH_ARGS:-}                # e.g. --interleave (every run advances step by step together)
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"   # this checkout's reasonkv, installed or not
@@ -56,14 +59,16 @@ case $TESTS in
 esac
 if (( ${#targets[@]} )); then
   echo "== tests on $DEVICE: ${targets[*]}"
-  (cd "$ROOT" && REASONKV_TEST_DEVICE=$DEVICE "$PYTHON" -m pytest -q -p no:cacheprovider "${targets[@]}" \
-    --junitxml="$(realpath "$OUT")/tests.xml") 2>&1 | tee "$OUT/tests.log" || tests_rc=$?
+  # shellcheck disable=SC2086  # PYTEST_ARGS is a list of options
+  (cd "$ROOT" && REASONKV_TEST_DEVICE=$DEVICE timeout "$TEST_TIMEOUT" "$PYTHON" -m pytest -q -p no:cacheprovider \
+    $PYTEST_ARGS "${targets[@]}" --junitxml="$(realpath "$OUT")/tests.xml") 2>&1 | tee "$OUT/tests.log" || tests_rc=$?
 fi
 
 # (b) Speed and memory of each method vs the full cache on identical forced tokens, batch 1.
 echo "== bench $MODEL on $DEVICE ($DTYPE): $METHODS at budget $BUDGET, lengths $LENGTHS"
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of options
 "${RK[@]}" bench --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --methods "$METHODS" \
-  --budgets "$BUDGET" --lengths "$LENGTHS" --window "$WINDOW" --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  --budgets "$BUDGET" --lengths "$LENGTHS" --window "$WINDOW" $BENCH_ARGS --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 results=("$OUT/bench.json")
 
 # (c) Batch capacity at a fixed K/V memory (FIXED_MEMORY, e.g. 40GiB): per method, the largest
