@@ -67,6 +67,7 @@ def profile_trace(
     """Replay one tokenised trace with the full cache; return entropy and top-k mass
     [steps, L, H] at every `stride`-th trace position."""
     shape = model_shape(model)
+    ids = ids.to(next(model.parameters()).device)  # tokenizers give CPU tensors; the model may be on a GPU
     install_attention(model)
     observer = _Observer(stride=stride, topk=topk, start=prompt_len)
     budgets = torch.ones(shape.n_layers, shape.n_kv_heads, dtype=torch.long)
