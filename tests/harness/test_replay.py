@@ -81,6 +81,33 @@ def test_chunked_replay_equals_token_by_token_replay(method: str) -> None:
         assert chunked.forwards < chunked.positions // 2
 
 
+QUANTIZED = {  # storage knobs that quantize within 150 tokens many times (head dim 16)
+    "quant-int4": ReplayRun("quant-int4", None, {"group_size": 8, "residual": 8}),
+    "snapkv-int4": ReplayRun("snapkv", 16, {"interval": 8, "kv_bits": 4, "group_size": 8, "residual": 8}),
+    "beaconkv-int2": ReplayRun("beaconkv", 32, {"kv_bits": 2, "group_size": 8, "residual": 8}),
+    "two-tier": ReplayRun("beaconkv", 32, {"kv_bits": 4, "group_size": 8, "residual": 8, "low_budget": 16}),
+}
+
+
+@pytest.mark.parametrize("name", list(QUANTIZED))
+def test_chunked_replay_of_quantized_storage_equals_token_by_token(name: str) -> None:
+    """Token by token, a group leaves the full-precision residual as soon as it holds
+    residual + group_size tokens, and later tokens read it quantized: a chunk must end there
+    too, or its tokens would read the group in full precision (quant-int4 replayed in chunks
+    that ignored this had half its token-by-token KL). In float64, so that a chunk's and a
+    single token's matmuls round alike: in float32 a K value on a code boundary can round to
+    the other code, and quantization turns that 1e-7 into a step."""
+    model = tiny_model("llama", "sdpa", KV_HEADS).double()
+    run = QUANTIZED[name]
+    chunked = replay_methods(model, trace_ids(), PROMPT, [run], block=64)[0]
+    stepwise = replay_methods(model, trace_ids(), PROMPT, [run], block=64, stepwise=True)[0]
+    assert stepwise.forwards == chunked.positions and chunked.forwards < chunked.positions // 2
+    assert chunked.compressions == stepwise.compressions
+    assert torch.equal(chunked.top1, stepwise.top1)
+    for key in ("kl", "nll"):
+        torch.testing.assert_close(getattr(chunked, key), getattr(stepwise, key), atol=1e-10, rtol=1e-10)
+
+
 @pytest.mark.parametrize("method", [*CHUNKED, "h2o", "streaming", "full"])
 def test_batched_replay_equals_each_trace_alone(method: str) -> None:
     """Traces of different prompt and trace lengths replayed as one left-padded batch give each

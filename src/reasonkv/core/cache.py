@@ -316,6 +316,14 @@ class CompressedCache(Cache):
             steps = layer_steps if steps is None else min(steps, layer_steps)
         return steps
 
+    def steps_until_settle(self) -> int | None:
+        """The most tokens one forward can take before a layer's quantized storage would move a
+        group of tokens out of its full-precision residual (None: nothing is quantized). Token by
+        token, the tokens after that point read the group quantized; a chunk that passed it
+        would read it in full precision."""
+        steps = [s for s in (layer.steps_until_settle() for layer in self.layers) if s is not None]
+        return min(steps) if steps else None
+
     # ------------------------------------------------------------- reporting
     def memory(self) -> dict:
         """physical_bytes (all cache tensors), kv_bytes (K and V storage), peak_kv_bytes (the most

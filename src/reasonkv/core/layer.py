@@ -352,6 +352,11 @@ class CompressedLayer(CacheLayerMixin):
         """Tokens one forward can take without passing this layer's next compression (None: never)."""
         return self.policy.schedule.steps_until_compress(self.view, self.states.schedule)
 
+    def steps_until_settle(self) -> int | None:
+        """Tokens one forward can take before quantized storage moves a group out of its
+        full-precision residual (None: full-precision storage, or nothing stored yet)."""
+        return None if self.storage is None else self.storage.steps_until_settle()
+
     # ------------------------------------------------------------- compression
     def compress(self, keep: torch.Tensor, scores: torch.Tensor) -> None:
         """Keep `keep[b, h]` tokens per head chosen by `scores` [B, H, used]; free the rest."""

@@ -292,6 +292,15 @@ class QuantizedKVStorage(KVStorage):
             self.v_res.scatter_(2, rel[..., None].expand(-1, -1, -1, value_states.shape[-1]), value_states)
         self.min_len += q
 
+    def steps_until_settle(self) -> int | None:
+        """Tokens one forward can take before `settle` quantizes a group: token-by-token decoding
+        settles once the residual holds `residual + group_size` tokens, and the tokens after that
+        see the group quantized, so a chunked replay must end its forward there to read what
+        decoding reads."""
+        if self.k_res is None:
+            return None
+        return max(1, self.fmt.group_size + self.fmt.residual + self.q_used - self.min_len)
+
     def settle(self) -> None:
         """Move whole groups of the oldest residual slots to the quantized part, keeping at
         least `residual` tokens of the shortest head in full precision. The step's dequantized

@@ -66,6 +66,10 @@ class KVStorage:
     def settle(self) -> None:
         """End of a forward, after any compression: nothing to do for full-precision storage."""
 
+    def steps_until_settle(self) -> int | None:
+        """Tokens one forward can take before `settle` would change what is stored (None: never)."""
+        return None
+
     def token_bytes(self) -> float:
         """Bytes one stored token costs in K and V, per head."""
         return (

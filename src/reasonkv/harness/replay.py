@@ -14,8 +14,9 @@ Nothing of size [trace, vocab] is ever stored, and the reference costs one forwa
 block however many methods share it.
 
 Each method's cache is fed in chunks that end exactly where step-by-step decoding would
-compress (`chunk_plan`): between compressions nothing is evicted, so a chunked forward
-sees the same cache as single-token steps and gives the same logits (tests prove it).
+compress or, with quantized storage, move a group out of its full-precision residual
+(`chunk_plan`): in between nothing is evicted or quantized, so a chunked forward sees the
+same cache as single-token steps and gives the same logits (tests prove it).
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ COMPARE_ROWS = 64
 # ------------------------------------------------------------------ chunk plan
 def chunk_plan(cache: CompressedCache) -> int | None:
     """The most tokens `cache` can take in one forward without crossing a compression point
-    (None = unbounded: it never compresses). Call it after the prompt's forward."""
-    return cache.steps_until_compress()
+    or, with quantized storage, a point where a group leaves the full-precision residual
+    (None = unbounded: it never compresses or quantizes). Call it after the prompt's forward."""
+    steps = [s for s in (cache.steps_until_compress(), cache.steps_until_settle()) if s is not None]
+    return min(steps) if steps else None
 
 
 # ------------------------------------------------------------------ comparison
