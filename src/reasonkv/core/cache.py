@@ -370,7 +370,8 @@ class CompressedCache(Cache):
     def live_token_bound(self) -> int | None:
         """The most real tokens any head can hold after a step (None = unbounded). With
         protect_prompt the whole prompt is kept on top of the budget, so the bound grows by
-        the longest prompt once the cache has seen it."""
+        the longest prompt once the cache has seen it; so it does, by what the prompt exceeds
+        the budget, under a schedule that counts from the prompt's end (phase=decode)."""
         if self.policy.head_allocator is not None:
             return None
         tops = [layer.plan.trigger_max for layer in self.layers]
@@ -378,6 +379,10 @@ class CompressedCache(Cache):
             return None
         prompt_end = self.layers[0].window.prompt_end
         extra = int(prompt_end.max()) if self.policy.protect_prompt and prompt_end is not None else 0
+        if self.policy.schedule.from_prompt_end and prompt_end is not None:
+            # The whole prompt stays until the first compression, `interval` tokens after it.
+            smallest = min(min(layer.plan.targets) for layer in self.layers)
+            extra = max(extra, int(prompt_end.max()) - smallest)
         return max(tops) - 1 + extra
 
     def __repr__(self) -> str:

@@ -10,7 +10,7 @@ enough until the next compression (the cache preallocates exactly that).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -50,6 +50,13 @@ class Schedule:
 
     def describe(self) -> str:
         return self.name
+
+    @property
+    def from_prompt_end(self) -> bool:
+        """True when the layer compresses every `trigger - target` tokens counted from the
+        prompt's end instead of at `trigger`: a head then holds up to max(prompt, target) +
+        that many - 1 tokens, and the peak storage depends on the prompt's length."""
+        return False
 
     def plan(self, budgets: list[int]) -> BudgetPlan:
         """A layer's triggers, targets and hole slots for its head budgets (computed once)."""
@@ -124,6 +131,14 @@ class EveryStep(Schedule):
         return "every-step" if self.compact_every == 1 else f"every-step (compact every {self.compact_every})"
 
 
+@dataclass
+class DecodeCountState(PolicyState):
+    """One layer's next compression point under `FixedBuffer(phase="decode")`: a count of
+    tokens fed, the same for every batch row (each forward adds its q tokens to every row)."""
+
+    next_at: int  # `seen` at which the layer compresses next
+
+
 @dataclass(frozen=True)
 class FixedBuffer(Schedule):
     """Let the cache grow by `interval` tokens, then compress back to the budget
@@ -131,12 +146,46 @@ class FixedBuffer(Schedule):
 
     name: str = "buffer"
     interval: int = tokens(128)
+    phase: Literal["budget", "decode"] = "budget"
+    """When the compressions fall. "budget": whenever a head holds budget + interval real
+    tokens (a longer prompt is compressed at prefill, by its own last queries). "decode":
+    every `interval` tokens counted from the prompt's end, whatever the heads hold, as
+    kvpress's DecodingPress does: the whole prompt stays until prompt + interval tokens, and
+    the peak then depends on the prompt's length, not on the budget alone."""
 
     def trigger(self, budget: int) -> int:
         return budget + self.interval
 
     def describe(self) -> str:
-        return f"buffer(every {self.interval})"
+        start = ", counted from the prompt's end" if self.phase == "decode" else ""
+        return f"buffer(every {self.interval}{start})"
+
+    @property
+    def from_prompt_end(self) -> bool:
+        return self.phase == "decode"
+
+    def new_state(self, view: LayerView) -> DecodeCountState | None:
+        # Made at the layer's first forward (the prompt), once `seen` is the prompt's end.
+        return DecodeCountState(view.seen + self.interval) if self.phase == "decode" else None
+
+    def rows_to_compress(self, view: LayerView, state: DecodeCountState | None) -> torch.Tensor | None:
+        if state is None:
+            return super().rows_to_compress(view, state)
+        if view.seen < state.next_at:
+            return None
+        return torch.ones(view.n_valid.shape[0], dtype=torch.bool, device=view.n_valid.device)
+
+    def keep(self, view: LayerView, state: DecodeCountState | None) -> torch.Tensor:
+        if state is not None:
+            state.next_at = view.seen + self.interval
+        return super().keep(view, state)
+
+    def steps_until_compress(self, view: LayerView, state: DecodeCountState | None) -> int | None:
+        if self.phase == "budget":
+            return super().steps_until_compress(view, state)
+        if state is None:  # before the layer's first forward
+            return 1
+        return max(1, state.next_at - view.seen)
 
 
 @dataclass(frozen=True)

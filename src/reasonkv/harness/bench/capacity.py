@@ -93,6 +93,8 @@ def unpredictable(cache: CompressedCache, compresses: bool) -> str | None:
             return "its schedule has no fixed trigger (the cache grows with the sequence)"
         if plan.triggers is not None and (len(set(plan.triggers)) > 1 or len(set(plan.targets)) > 1):
             return "its heads have different budgets within a layer"
+    if policy.schedule.from_prompt_end:
+        return "it compresses on a count of decode steps, so its peak depends on the prompt (phase=decode)"
     if policy.head_allocator is not None:
         return "it re-splits the budget between heads at every compression"
     if policy.protect_prompt:
