@@ -151,7 +151,9 @@ class FixedBuffer(Schedule):
     tokens (a longer prompt is compressed at prefill, by its own last queries). "decode":
     every `interval` tokens counted from the prompt's end, whatever the heads hold, as
     kvpress's DecodingPress does: the whole prompt stays until prompt + interval tokens, and
-    the peak then depends on the prompt's length, not on the budget alone."""
+    the peak then depends on the prompt's length, not on the budget alone. The count is of
+    forwarded columns, one for every row: in a left-padded batch every row compresses when
+    the longest prompt's row would, so a row's numbers differ from its run alone."""
 
     def trigger(self, budget: int) -> int:
         return budget + self.interval
