@@ -186,6 +186,20 @@ def one_torch_thread():
     yield
 
 
+@pytest.fixture(autouse=True)
+def consoles_follow_columns(monkeypatch):
+    """The CLI's consoles take their width from COLUMNS at each print, as `runner.invoke(...,
+    env=WIDE)` sets it. rich fixes a console's width when it is made if COLUMNS is set then:
+    where the machine exports COLUMNS (e.g. 80), reasonkv.cli.common's consoles would keep it
+    whatever env a test gives the runner, while the tables are fitted to the env's width, and
+    print folded."""
+    from reasonkv.cli import common
+
+    for console in (common.console, common.err_console):
+        monkeypatch.setattr(console, "_width", None)
+    yield
+
+
 # ------------------------------------------------- command-line tests: no slow model load
 @pytest.fixture
 def fake_loader(monkeypatch):

@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import reasonkv
-from conftest import build_tiny_model
+from conftest import TEST_DEVICE, build_tiny_model
 from reasonkv.core.policy.base import EMPTY
 
 
@@ -37,7 +37,7 @@ def greedy(model, ids, mask, cache, n: int):
 
 
 def padded_prompts(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Two prompts of 14 and 10 tokens, left-padded to 14."""
+    """Two prompts of 14 and 10 tokens, left-padded to 14, on TEST_DEVICE."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, 128, (2, 14), generator=g)
     pads = [0, 4]
@@ -45,7 +45,7 @@ def padded_prompts(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[int]
     for r, p in enumerate(pads):
         ids[r, :p] = 0
         mask[r, :p] = 0
-    return ids, mask, pads
+    return ids.to(TEST_DEVICE), mask.to(TEST_DEVICE), pads
 
 
 def assert_no_eviction_matches_stock(model, method: str, budget: int) -> None:

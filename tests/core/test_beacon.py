@@ -12,6 +12,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from conftest import (
+    TEST_DEVICE,
     build_tiny_model,
     dynamic_cache,
     greedy_loop,
@@ -461,9 +462,9 @@ def test_repeated_token_gives_one_beacon_per_query_head(scope: str, counts: list
     model = build_tiny_model("llama", "sdpa", seed=0, init_range=0.02, rope_parameters=dict(ROPES["yarn"]))
     cache = make_cache(model, "beaconkv", 512, beacon_scope=scope, beacon_feed="all")  # prompt queries too
     with torch.no_grad():
-        model(input_ids=torch.full((1, 60), 5), cache=cache)
+        model(input_ids=torch.full((1, 60), 5, device=TEST_DEVICE), cache=cache)
         for _ in range(5):
-            model(input_ids=torch.full((1, 1), 5), cache=cache)
+            model(input_ids=torch.full((1, 1), 5, device=TEST_DEVICE), cache=cache)
     policy = cache.policy
     policy.scorer.flush(cache.layers[0].states.scorer, policy.rope_inv_freq, policy.rope_attention_scaling)
     # Identical tokens give identical values, so every layer sees one hidden state per token.
@@ -473,7 +474,7 @@ def test_repeated_token_gives_one_beacon_per_query_head(scope: str, counts: list
         post = layer.queries[0, 0]  # [recent + backlog, D]
         unit = post / post.norm(dim=-1, keepdim=True)
         dist = 1 - unit @ unit.T
-        assert bool((dist + torch.eye(len(post)) > 1e-3).all())
+        assert bool((dist + torch.eye(len(post), device=dist.device) > 1e-3).all())
 
 
 def test_beaconkv_memory_stays_bounded_over_300_steps() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import left_pad, random_prompt, tiny_model
+from conftest import TEST_DEVICE, left_pad, random_prompt, tiny_model
 from reasonkv import make_cache
 
 # (method, budget, knobs): each compresses several times in both phases below.
@@ -64,7 +64,7 @@ def test_a_reordered_row_continues_exactly_like_the_row_it_copies(
         model(input_ids=ids, attention_mask=mask, cache=batch)
         model(input_ids=ids[1:], cache=alone)
     _, mask = _feed(model, batch, first, mask)
-    _, mask_alone = _feed(model, alone, first[1:], torch.ones(1, 20, dtype=torch.long))
+    _, mask_alone = _feed(model, alone, first[1:], torch.ones(1, 20, dtype=torch.long, device=TEST_DEVICE))
     n_events = len(batch.events)
     assert n_events > 0
     batch.reorder_cache(torch.tensor([1, 1]))

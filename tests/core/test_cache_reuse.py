@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import reasonkv
-from conftest import PAD, left_pad, random_prompt, tiny_model
+from conftest import PAD, TEST_DEVICE, left_pad, random_prompt, tiny_model
 
 GREEDY = {"do_sample": False}
 
@@ -48,7 +48,7 @@ def test_a_padded_batch_continues_with_its_mask() -> None:
 
     cache = reasonkv.make_cache(model, "snapkv", 16, interval=8)
     first = _generate(model, ids, cache, 15, mask)
-    mask2 = torch.cat([mask, torch.ones(2, first.shape[1] - ids.shape[1], dtype=mask.dtype)], dim=1)
+    mask2 = torch.cat([mask, mask.new_ones(2, first.shape[1] - ids.shape[1])], dim=1)
     second = _generate(model, first, cache, 25, mask2)
     assert torch.equal(second, whole)
 
@@ -124,9 +124,17 @@ def test_a_multi_token_forward_at_wrong_positions_is_refused() -> None:
     cache = reasonkv.make_cache(model, "snapkv", 16)
     with torch.no_grad():
         model(input_ids=random_prompt(10, seed=1), cache=cache)
-        model(input_ids=random_prompt(4, seed=2), cache=cache, position_ids=torch.arange(10, 14)[None])
+        model(
+            input_ids=random_prompt(4, seed=2),
+            cache=cache,
+            position_ids=torch.arange(10, 14, device=TEST_DEVICE)[None],
+        )
         with pytest.raises(ValueError, match="holds 14 tokens of another sequence"):
-            model(input_ids=random_prompt(4, seed=3), cache=cache, position_ids=torch.arange(4)[None])
+            model(
+                input_ids=random_prompt(4, seed=3),
+                cache=cache,
+                position_ids=torch.arange(4, device=TEST_DEVICE)[None],
+            )
 
 
 def test_generate_from_embeddings_still_works_after_make_cache() -> None:

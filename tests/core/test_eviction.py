@@ -141,10 +141,14 @@ def test_positions_stay_logical_after_eviction(method: str) -> None:
             if check_now:
                 assert physical < fed, "the check needs a cache that has evicted"
                 explicit = model(
-                    input_ids=token, cache=copy.deepcopy(cache), position_ids=torch.tensor([[fed]])
+                    input_ids=token,
+                    cache=copy.deepcopy(cache),
+                    position_ids=torch.tensor([[fed]], device=token.device),
                 ).logits
                 wrong = model(
-                    input_ids=token, cache=copy.deepcopy(cache), position_ids=torch.tensor([[physical]])
+                    input_ids=token,
+                    cache=copy.deepcopy(cache),
+                    position_ids=torch.tensor([[physical]], device=token.device),
                 ).logits
             out = model(input_ids=token, cache=cache)
             fed += 1

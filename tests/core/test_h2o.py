@@ -9,6 +9,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+from conftest import TEST_DEVICE
 from method_helpers import assert_no_eviction_matches_stock, flat_llama, greedy, padded_prompts
 from reasonkv import make_cache
 from reasonkv.core.models import attention_modules
@@ -103,7 +104,7 @@ def test_h2o_scores_follow_the_kept_tokens_through_every_eviction():
         for i, m in enumerate(attention_modules(model))
     ]
     received = [defaultdict(float) for _ in cache.layers]  # (row, head, token) -> total attention
-    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(0)).to(TEST_DEVICE)
     old_survivors = 0
     try:
         with torch.no_grad():
@@ -134,13 +135,13 @@ def test_h2o_scores_follow_the_kept_tokens_through_every_eviction():
 def test_h2o_keeps_the_recent_half_and_heavy_hitters():
     model = flat_llama(seed=3)
     cache = make_cache(model, "h2o", budget=8)
-    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(1)).to(TEST_DEVICE)
     greedy(model, ids, None, cache, 10)
     seen = cache.layers[0].seen
     for layer in cache.layers:
         index = layer.token_index[0, :, : layer.used]
         # recent half: the newest budget/2 = 4 tokens fed to the cache are all there
-        assert (index[:, -4:] == torch.arange(seen - 4, seen)).all()
+        assert (index[:, -4:] == torch.arange(seen - 4, seen, device=index.device)).all()
         assert layer.n_valid.tolist() == [[8, 8]]
 
 
@@ -156,7 +157,7 @@ def test_h2o_without_eviction_equals_dynamic_cache(model):
 def test_h2o_memory_stays_bounded_over_300_steps(model):
     budget = 10
     cache = make_cache(model, "h2o", budget=budget)
-    ids = torch.randint(1, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(1, 128, (1, 16), generator=torch.Generator().manual_seed(3)).to(TEST_DEVICE)
     physical = []
     with torch.no_grad():
         for _ in range(300):

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from conftest import TEST_DEVICE
 from method_helpers import assert_no_eviction_matches_stock, flat_llama, greedy, kept_tokens, padded_prompts
 from reasonkv import make_cache
 from reasonkv.core.policy import EMPTY, Observation, RKVScorer, protected_mask, select_tokens
@@ -196,7 +197,7 @@ def test_rkv_without_eviction_equals_dynamic_cache(model):
 def test_rkv_memory_stays_bounded_over_300_steps(model):
     budget, interval = 12, 6
     cache = make_cache(model, "rkv", budget=budget, interval=interval)
-    ids = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(3)).to(TEST_DEVICE)
     caps, physical = [], []
     with torch.no_grad():
         for _ in range(300):

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from conftest import TEST_DEVICE
 from method_helpers import assert_no_eviction_matches_stock, flat_llama, greedy, kept_tokens, padded_prompts
 from reasonkv import make_cache
 from reasonkv.core.policy import EMPTY, Observation, RPCScorer, protected_mask, select_tokens
@@ -145,7 +146,7 @@ def test_rpc_fires_at_the_papers_steps_and_keeps_the_papers_counts(model):
         for t in range(steps + 1):
             logits = model(input_ids=out, attention_mask=mask, cache=cache, use_cache=True).logits
             out = logits[:, -1:].argmax(-1)
-            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype, device=mask.device)], dim=1)
             fired = sum(e.seen - ids.shape[1] == t for e in cache.events)
             assert fired == (2 if t in (20, 36, 52, 68) else 0), t  # both layers, at these steps only
             m = sum(t >= f for f in (20, 36, 52, 68))  # compressions so far
@@ -170,7 +171,7 @@ def test_rpc_memory_follows_the_ratio_over_300_steps(model):
     """RPC's cache is not bounded by a budget: it holds prompt + ~t/c + R + (up to P) tokens.
     Storage never exceeds what is live plus the next period, and it is released at compaction."""
     cache = make_cache(model, "rpc", **RPC_KNOBS)
-    ids = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(3)).to(TEST_DEVICE)
     expected = expected_generated(300, P, P // C, R)
     with torch.no_grad():
         for t in range(301):

@@ -11,7 +11,7 @@ import torch
 import typer
 
 from cli_helpers import CharTokenizer, runner
-from conftest import build_tiny_model
+from conftest import TEST_DEVICE, build_tiny_model
 from reasonkv.cli import analyze as analyze_cli
 from reasonkv.harness.analyze import (
     NEVER_EVICTED,
@@ -228,15 +228,15 @@ def tiny_inputs():
 def test_recorded_attention_is_the_models_attention(tiny_inputs) -> None:
     ids, prompt = tiny_inputs
     model = build_tiny_model("llama", "eager")
-    with torch.no_grad():
-        ref = model(input_ids=ids, output_attentions=True).attentions  # plain attention, before install
+    with torch.no_grad():  # plain attention, before install
+        ref = model(input_ids=ids.to(TEST_DEVICE), output_attentions=True).attentions
     rule = RevisitRule(distance=16, persistent=None)
     an = analyze_trace(model, ids, prompt, rule, layers=[0, 1], window=40, block=32)
     n = ids.shape[1]
     assert an.positions.tolist() == list(range(prompt, n))
     assert an.map_positions.tolist() == list(range(n - 40, n))
     for li in (0, 1):
-        group_mean = ref[li][0].reshape(2, 2, n, n).mean(1)  # 4 query heads, 2 KV heads
+        group_mean = ref[li][0].reshape(2, 2, n, n).mean(1).cpu()  # 4 query heads, 2 KV heads
         torch.testing.assert_close(an.maps[li], group_mean[:, n - 40 :], atol=1e-5, rtol=1e-4)
         # The per-query statistics come from the same rows: recompute them from the reference.
         attn = group_mean[:, prompt:]
@@ -252,7 +252,7 @@ def test_entropy_curve_equals_the_profilers(tiny_inputs) -> None:
     ids, prompt = tiny_inputs
     model = build_tiny_model("llama")
     an = analyze_trace(model, ids, prompt, RevisitRule(16, persistent=None), stride=16, layers=[0])
-    ref = profile_trace(model, ids, prompt, stride=16)["entropy"].mean((0, 2))
+    ref = profile_trace(model, ids, prompt, stride=16)["entropy"].mean((0, 2)).cpu()
     torch.testing.assert_close(an.entropy_curve(), ref, atol=1e-5, rtol=1e-5)
 
 

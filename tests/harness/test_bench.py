@@ -68,13 +68,13 @@ def test_every_run_is_fed_exactly_the_reference_tokens(interleave: bool) -> None
     assert reference.numel() == 40
     # The reference is the full cache's plain greedy continuation (this model has no EOS).
     expected, _ = greedy_loop(model, prompt, make_cache(model, "full", None), 40)
-    assert torch.equal(reference, expected[0])
+    assert torch.equal(reference, expected[0].cpu())
 
     assert len(log.order) == 1 + len(record["runs"])  # the reference pass, then one cache per run
     for key in log.order:
         fed_prompt, fed = log.fed(key)
         assert torch.equal(fed_prompt, prompt)
-        assert torch.equal(fed, reference)  # n forwards of exactly the reference tokens, in order
+        assert torch.equal(fed.cpu(), reference)  # n forwards of exactly the reference tokens, in order
     labels = [r["label"] for r in record["runs"]]
     assert labels == ["full", "streaming@24", "snapkv@24", "rkv@24", "beaconkv@24"]
     full = record["runs"][0]
@@ -93,7 +93,7 @@ def test_greedy_reference_suppresses_eos() -> None:
     finally:
         model.generation_config.eos_token_id = None
     assert banned not in trace.tokens.tolist()
-    assert torch.equal(trace.tokens[:5], free[0, :5])  # identical until the banned token
+    assert torch.equal(trace.tokens[:5], free[0, :5].cpu())  # identical until the banned token
 
 
 # ------------------------------------------------------------------- memory
@@ -112,7 +112,7 @@ def test_marks_report_exactly_what_cache_memory_reports() -> None:
         with torch.no_grad():
             model(input_ids=prompt, cache=twin)
             for i in range(45):
-                model(input_ids=tokens[i : i + 1].view(1, 1), cache=twin)
+                model(input_ids=tokens[i : i + 1].view(1, 1).to(prompt.device), cache=twin)
                 if i + 1 in lengths:
                     mem = twin.memory()
                     mark = result["marks"][lengths.index(i + 1)]
