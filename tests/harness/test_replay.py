@@ -17,6 +17,7 @@ from cli_helpers import CharTokenizer, tiny_llama
 from conftest import N_LAYERS, build_tiny_model, random_prompt, tiny_model
 from method_helpers import profile_knobs
 from reasonkv.cli import replay as replay_cli
+from reasonkv.core.models import resolve_device, resolve_dtype
 from reasonkv.harness.replay import (
     ReplayResult,
     ReplayRun,
@@ -445,7 +446,9 @@ def test_replay_command_batch_equals_one_by_one(loader, tmp_path) -> None:
         assert result.exit_code == 0, result.output
         records.append(json.loads(out.read_text()))
     one, batched = records
-    assert batched["command"].endswith("--batch --device cpu --dtype float32")  # as resolved, not auto
+    device = resolve_device("auto")  # as resolved, not auto: the CPU here, CUDA on a GPU machine
+    dtype = str(resolve_dtype("auto", device)).removeprefix("torch.")
+    assert batched["command"].endswith(f"--batch --device {device} --dtype {dtype}")
     pairs = zip(one["per_trace"], batched["per_trace"], strict=True)
     assert len(one["per_trace"]) == 4
     for a, b in sorted(pairs, key=lambda ab: (ab[0]["trace"], ab[0]["method"])):

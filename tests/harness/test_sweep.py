@@ -42,7 +42,8 @@ DTYPES: list[torch.dtype] = []
 
 
 def tiny_loader(name: str, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32, **kwargs):
-    """The sweep's model loader in these tests: a tiny random Llama (in `dtype`, on the CPU)
+    """The sweep's model loader in these tests: a tiny random Llama (in `dtype`, on the device
+    the sweep asks for: the CPU unless its grid names another)
     and a char tokenizer, importable by Ray workers and subprocesses. 'broken' fails to load.
     A forward hook slows every forward when REASONKV_TEST_DELAY is set (so a kill lands
     mid-sweep)."""
@@ -50,7 +51,7 @@ def tiny_loader(name: str, attn_implementation: str = "sdpa", dtype: torch.dtype
     DTYPES.append(dtype)
     if name == "broken":
         raise FileNotFoundError("no model called 'broken'")
-    model = tiny_llama(attn_implementation).to(dtype)
+    model = tiny_llama(attn_implementation).to(device=kwargs.get("device", "cpu"), dtype=dtype)
     delay = float(os.environ.get("REASONKV_TEST_DELAY", "0"))
     if delay:
         model.register_forward_pre_hook(lambda *args: time.sleep(delay))

@@ -48,7 +48,8 @@ def profile_decode(
     cache = make_cache(model, run.method, run.budget, **run.knobs)
     timer = SectionTimer(label=True)
     instrument(cache, timer)
-    ids = torch.cat([prompt_ids[0], tokens.to(prompt_ids.device)])[None]
+    device = next(model.parameters()).device  # tokenizers give CPU tensors; the model may be on a GPU
+    ids = torch.cat([prompt_ids[0].to(device), tokens.to(device)])[None]
     p = int(prompt_ids.shape[1])
     model(input_ids=ids[:, :p], cache=cache, logits_to_keep=1)
     pos = p
