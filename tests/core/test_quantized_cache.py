@@ -115,6 +115,25 @@ def test_budgets_still_hold(method) -> None:
         assert layer.storage.q_used <= int(layer.lengths.min())
 
 
+def test_a_bounded_cache_never_allocates_quantized_room_past_its_slots() -> None:
+    """The quantized part grows by its own size, but never past the layer's slots less the
+    residual: a cache with a fixed budget holds no spare quantized room it can never use."""
+    g, residual = SMALL["group_size"], SMALL["residual"]
+    model = tiny_model("llama")
+    cache = make_cache(model, "beaconkv", 48, kv_bits=4, **SMALL)
+    ids, peak_room = random_prompt(20, 3, 1), 0
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+        for token in random_prompt(120, 4, 1)[0]:
+            model(input_ids=token.view(1, 1), cache=cache)
+            for layer in cache.layers:
+                s = layer.storage
+                room = s.kq.codes.shape[2]
+                assert room <= max(s.q_used, (s.capacity - residual) // g * g), (room, s.capacity)
+                peak_room = max(peak_room, room)
+    assert peak_room == (48 - residual) // g * g  # it did grow to what the budget needs
+
+
 def test_memory_counts_packed_codes_scales_zeros_and_residual_exactly() -> None:
     _, cache = _run("quant-int4", steps=50, prompt=40, **SMALL)
     expected = expected_16bit = 0

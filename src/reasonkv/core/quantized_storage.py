@@ -317,6 +317,8 @@ class QuantizedKVStorage(KVStorage):
         if self.q_used + m > kq.codes.shape[2]:
             more = min(QUANT_CHUNK, self.q_used + m)  # doubling, at most a chunk past what it needs
             room = self.q_used + m + -(-more // g) * g
+            # Never past what the layer's slots can hold: a bounded cache grows to its size once.
+            room = max(self.q_used + m, min(room, (self._index_cap - self.fmt.residual) // g * g))
             kq, vq = _grown(kq, self.q_used, room), _grown(vq, self.q_used, room)
         _put(kq, k_new, self.q_used)
         _put(vq, v_new, self.q_used)
