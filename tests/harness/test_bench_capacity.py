@@ -94,6 +94,28 @@ def test_predicted_peak_is_what_the_cache_meter_measures(method: str, knobs: dic
     assert slots * bench.slot_bytes(model) == cache.kv_meter.peak == cache.memory()["peak_kv_bytes"]
 
 
+@pytest.mark.parametrize("method", ["snapkv", "beaconkv", "h2o", "full"])
+def test_predicted_decode_peak_is_a_replay_alone(method: str) -> None:
+    """A trace replayed alone peaks, while decoding, where the schedule's arithmetic says: the
+    per-sequence peak a left-padded batch of other traces cannot give (its rows compress at
+    other steps and share their storage). The prompt is longer than the budget, so the prompt's
+    own forward peaks higher than decoding."""
+    from reasonkv.harness.replay import ReplayRun, replay_methods
+
+    model = tiny_model("llama")
+    ids, prompt_len = random_prompt(120, 9), 40
+    budget = {"full": None, "beaconkv": 32}.get(method, 16)
+    knobs = {"interval": 8} if method == "snapkv" else {}
+    result = replay_methods(model, ids, prompt_len, [ReplayRun(method, budget, knobs)], block=64)[0]
+    cache = make_cache(model, method, budget, **knobs)
+    n = ids.shape[1] - 1 - prompt_len
+    slot = bench.slot_bytes(model)
+    decode = bench.peak_kv_slots(cache, prompt_len, n, compresses=method != "full", decode_only=True)
+    assert decode * slot == result.decode_peak_kv_bytes
+    whole = bench.peak_kv_slots(cache, prompt_len, n, compresses=method != "full")
+    assert whole * slot == result.peak_kv_bytes and (whole > decode or method == "full")
+
+
 @pytest.mark.parametrize(
     ("method", "knobs", "reason"),
     [

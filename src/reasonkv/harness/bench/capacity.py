@@ -71,17 +71,20 @@ def layer_allocations(prompt: int, n: int, trigger: int | None, target: int, hol
     return events
 
 
-def peak_slots(layers: list[Allocations]) -> int:
-    """The most slots the layers hold at once. Within a step the layers run in order, and a
-    reallocating layer holds its old and new storage together until the copy is done (the
-    cache's meter counts that moment too)."""
+def peak_slots(layers: list[Allocations], since: int = 0) -> int:
+    """The most slots the layers hold at once from step `since` on (0: the prefill too; 1: while
+    decoding). Within a step the layers run in order, and a reallocating layer holds its old and
+    new storage together until the copy is done (the cache's meter counts that moment too)."""
     total = peak = 0
     for step in sorted({step for events in layers for step in events}):
+        if step >= since:
+            peak = max(peak, total)  # what is held when the step begins
         for events in layers:
             for old, new in events.get(step, ()):
-                peak = max(peak, total + new)
+                if step >= since:
+                    peak = max(peak, total + new)
                 total += new - old
-    return peak
+    return max(peak, total)
 
 
 def unpredictable(cache: CompressedCache, compresses: bool) -> str | None:
@@ -104,16 +107,19 @@ def unpredictable(cache: CompressedCache, compresses: bool) -> str | None:
     return None
 
 
-def peak_kv_slots(cache: CompressedCache, prompt: int, n: int, *, compresses: bool = True) -> int:
+def peak_kv_slots(
+    cache: CompressedCache, prompt: int, n: int, *, compresses: bool = True, decode_only: bool = False
+) -> int:
     """Peak K/V storage slots (summed over layers) of one sequence of `prompt` tokens decoding
-    `n` more through a fresh `cache` (built, not yet used). A ValueError says why it cannot be
-    predicted (see `unpredictable`)."""
+    `n` more through a fresh `cache` (built, not yet used); `decode_only`: after the prompt's
+    forward (as replay's decode peak). A ValueError says why it cannot be predicted (see
+    `unpredictable`)."""
     reason = unpredictable(cache, compresses)
     if reason is not None:
         raise ValueError(f"cannot predict the peak K/V of {cache.method} from its schedule: {reason}")
     keys = [(x.plan.trigger_max, min(x.plan.targets), x.plan.hole_slots) for x in cache.layers]
     stepped = {key: layer_allocations(prompt, n, *key) for key in set(keys)}  # alike layers: once
-    return peak_slots([stepped[key] for key in keys])
+    return peak_slots([stepped[key] for key in keys], since=1 if decode_only else 0)
 
 
 def slot_bytes(model) -> int:

@@ -1,0 +1,85 @@
+"""Per-sequence peak K/V of a replay sweep's units as if each trace ran alone.
+
+A sweep with `batch_traces = true` replays its traces as one left-padded batch and records the
+batch's peak K/V divided by its rows. Rows of different prompt lengths compress at different
+steps and share one storage, so for schedules whose rows fall out of step (the buffer
+schedules of SnapKV and R-KV, BeaconKV's threshold) that is more than one sequence alone
+holds. For every unit whose schedule `reasonkv bench`'s capacity planner can follow, this
+predicts the decode-time peak of the trace alone from the schedule's arithmetic (exact: tests
+compare it with the cache's meter and with a replay alone) and prints, per method × budget ×
+knobs, the mean over traces next to the batched record; units it cannot follow (per-head
+splits, RPC's growing cache, quantized storage) are listed as such.
+
+    python scripts/alone_peaks.py docs/results/replay-sweep-peak.jsonl --out alone-peaks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from reasonkv.core.models import load_model
+from reasonkv.harness.bench.capacity import peak_kv_slots, slot_bytes
+from reasonkv.harness.report import load_records
+from reasonkv.methods.api import make_cache
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", type=Path)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    args = p.parse_args()
+    model, _ = load_model(args.model, device="cpu", dtype="float32")
+    per_slot = slot_bytes(model)  # fp32, as the sweep ran; at 16 bits: half
+    records, _ = load_records([args.results])
+    groups: dict[tuple, list] = defaultdict(list)
+    for r in records:
+        c, m = r["config"], r["metrics"]
+        if r.get("status") != "ok" or c["kind"] != "replay" or c.get("budget") is None:
+            continue
+        key = (c["method"], c["budget"], json.dumps(c.get("knobs", {}), sort_keys=True))
+        cache = make_cache(model, c["method"], c["budget"], **c.get("knobs", {}))
+        try:
+            slots = peak_kv_slots(cache, m["prompt_len"], m["tokens"] - 1 - m["prompt_len"], decode_only=True)
+        except ValueError as err:
+            groups[key].append((None, m.get("decode_peak_kv_bytes"), str(err)))
+            continue
+        groups[key].append((slots * per_slot, m.get("decode_peak_kv_bytes"), None))
+    rows = []
+    for (method, budget, knobs), units in sorted(groups.items()):
+        batched = [b for _, b, _ in units if b is not None]
+        row = {
+            "method": method,
+            "budget": budget,
+            "knobs": json.loads(knobs),
+            "traces": len(units),
+            "batched_peak_kv_bytes": sum(batched) / len(batched) if batched else None,
+        }
+        if any(a is None for a, _, _ in units):
+            row["alone_peak_kv_bytes"] = None
+            row["why_not"] = next(w for _, _, w in units if w)
+        else:
+            row["alone_peak_kv_bytes"] = sum(a for a, _, _ in units) / len(units)
+        rows.append(row)
+        mib = lambda x: "-" if x is None else f"{x / 2**20:7.2f}"  # noqa: E731
+        ratio = (
+            f"{row['batched_peak_kv_bytes'] / row['alone_peak_kv_bytes']:.3f}"
+            if row["alone_peak_kv_bytes"] and row["batched_peak_kv_bytes"]
+            else "-"
+        )
+        label = f"{method}@{budget}" + (f" {knobs}" if knobs != "{}" else "")
+        print(
+            f"{label:50s} alone {mib(row['alone_peak_kv_bytes'])} MiB  batched "
+            f"{mib(row['batched_peak_kv_bytes'])} MiB  batched/alone {ratio}"
+        )
+    if args.out is not None:
+        args.out.write_text(
+            json.dumps({"source": str(args.results), "per_slot_bytes": per_slot, "rows": rows}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
