@@ -777,6 +777,23 @@ def test_batch_traces_runs_one_task_per_method_with_the_same_units_and_numbers(t
         grid_of(tmp_path, settings={**settings, "batch_traces": "sometimes"})
 
 
+def test_batch_traces_never_batches_quantized_storage(tmp_path) -> None:
+    """A batch quantizes only where every row has left the full-precision residual, so its
+    rows would not be the traces alone: quantized methods and knobs get one task per trace."""
+    settings = {"max_tokens": 80, "bin": 32, "loader": LOADER, "batch_traces": True}
+    methods = ["quant-int4", "snapkv", "streaming"]
+    grid = grid_of(
+        tmp_path, methods=methods, settings=settings, knobs={"snapkv": {"kv_bits": 4, "group_size": 8}}
+    )
+    tasks = sw.make_tasks(sw.expand(grid))
+    # The quantized units go trace by trace (beside each other, sharing that trace's reference);
+    # streaming, unquantized, still takes every trace in one batch.
+    shapes = sorted(
+        (sorted({u.config["method"] for u in t.units}), len({u.item["id"] for u in t.units})) for t in tasks
+    )
+    assert shapes == [(["quant-int4", "snapkv"], 1)] * 3 + [(["streaming"], 3)]
+
+
 def test_every_loader_gets_the_grid_s_device_and_dtype_default_cpu_float32(monkeypatch) -> None:
     """Never the loader's own "auto": a sweep resumed on a GPU host must not load bf16 under fp32 keys."""
     calls = []

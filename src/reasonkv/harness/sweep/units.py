@@ -80,11 +80,16 @@ def _runs(grid: Grid) -> list[tuple[str, int | None]]:
     return out
 
 
-def _batches(setting: bool | str, method: str) -> bool:
+def _batches(setting: bool | str, method: str, knobs: dict) -> bool:
     """Does `batch_traces` put this method's traces in one batch? "every-step": only methods
     whose schedule compresses every step (they replay one token per forward anyway, so a batch
     of traces costs about one trace; a chunked method's chunks would shrink to the rows'
-    common compression points instead)."""
+    common compression points instead). Never with quantized storage: a batch moves tokens to
+    low precision only where every row has left the full-precision residual, so its rows
+    would keep more in full precision, and hold more, than each trace alone."""
+    settings = {**get_method(method).knobs(), **knobs}
+    if settings.get("kv_bits", 16) != 16 or settings.get("low_budget", 0):
+        return False
     if setting == "every-step":
         return get_method(method).schedule.evicts_every_step
     return bool(setting)
@@ -124,7 +129,9 @@ def expand(grid: Grid) -> list[Unit]:
                         config = {**base, "method": method, "budget": budget, "knobs": grid.knobs[method]}
                         key = unit_key(config)
                         unit_group = group or key
-                        if grid.kind == "replay" and _batches(spec.settings["batch_traces"], method):
+                        if grid.kind == "replay" and _batches(
+                            spec.settings["batch_traces"], method, grid.knobs[method]
+                        ):
                             # one task per method: every trace of the dataset in one batch
                             unit_group = unit_key(
                                 {**every_item, "method": method, "knobs": grid.knobs[method]}
