@@ -13,7 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 import reasonkv
-from cli_helpers import CharTokenizer, tiny_llama
+from cli_helpers import CharTokenizer, errors_of, tiny_llama
 from conftest import N_LAYERS, build_tiny_model, random_prompt, tiny_model
 from method_helpers import profile_knobs
 from reasonkv.cli import replay as replay_cli
@@ -431,6 +431,18 @@ def test_replay_table_fits_the_terminal_without_cutting_names(loader, tmp_path, 
     assert "…" not in table and max(len(line) for line in table.splitlines()) <= columns
     assert ("reasonalloc-head-rkv" in table) == (columns == 200)  # at 80 it breaks after a hyphen
     assert "reasonalloc-" in table and "mean KL" in table and "top-1" in table
+
+
+def test_replay_command_says_a_batch_of_quantized_rows_is_not_each_trace_alone(loader, tmp_path) -> None:
+    traces = tmp_path / "t.jsonl"
+    write_traces(traces)
+    args = ["replay", "--traces", str(traces), "--model", "tiny", "--max-tokens", "60", "--budgets", "16"]
+    args += ["--methods", "streaming,quant-int4", "--out", str(tmp_path / "r.json")]
+    batched = runner.invoke(replay_app(), [*args, "--batch"], env=WIDE)
+    assert batched.exit_code == 0, batched.output
+    assert "--batch with quantized storage (quant-int4)" in " ".join(errors_of(batched).split())
+    alone = runner.invoke(replay_app(), args, env=WIDE)
+    assert alone.exit_code == 0 and "quantized storage" not in errors_of(alone)
 
 
 def test_replay_command_batch_equals_one_by_one(loader, tmp_path) -> None:

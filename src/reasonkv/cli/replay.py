@@ -48,6 +48,7 @@ from reasonkv.harness.replay import (
     summarize,
 )
 from reasonkv.harness.traces import load_traces, replay_input
+from reasonkv.methods.knobs import stores_quantized
 from reasonkv.util.formatting import format_or_dash
 from reasonkv.util.records import utc_timestamp, write_json_atomic
 from reasonkv.util.runtime import set_threads
@@ -132,6 +133,14 @@ def replay_command(
     except (CliError, ValueError, FileNotFoundError) as err:
         fail(str(err))
 
+    quantized = [r.label for r in runs if stores_quantized(r.method, r.knobs)]
+    if batch and quantized and len(inputs) > 1:
+        err_console.print(
+            f"note: --batch with quantized storage ({', '.join(quantized)}): a batch quantizes only where "
+            "every row has left the full-precision residual, so those rows are not the traces alone "
+            "(their KL and peak differ); leave out --batch to measure each trace alone",
+            soft_wrap=True,
+        )
     lengths = [int(i.input_ids.shape[1]) - 1 - i.prompt_len for i in inputs]
     total = max(lengths) if batch else sum(lengths)
     results = []

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from reasonkv.harness.report_inputs import read_any
 from reasonkv.harness.report_plot import model_note, plot_section
-from reasonkv.methods.registry import get_method
+from reasonkv.methods.knobs import stores_quantized
 from reasonkv.util.formatting import format_bytes, format_or_dash
 from reasonkv.util.tables import fill_table
 
@@ -69,10 +69,9 @@ def _ratio(num: float, den: float) -> float | None:
 def _stores_quantized(method: str, knobs: dict) -> bool | None:
     """Whether a method's cache stored K/V below the model's precision (None: unknown method)."""
     try:
-        settings = {**get_method(method).knobs(), **knobs}
+        return stores_quantized(method, knobs)
     except ValueError:
         return None
-    return settings.get("kv_bits", 16) != 16 or bool(settings.get("low_budget", 0))
 
 
 def unit_peak_16bit(unit: dict) -> float | None:

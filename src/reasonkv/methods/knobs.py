@@ -256,3 +256,10 @@ def route_knobs(spec: MethodSpec, overrides: dict) -> dict[str, dict]:
         "storage": fields_of(spec.storage),
         "protection": {k: knobs[k] for k in PROTECTION_KNOBS},
     }
+
+
+def stores_quantized(method: str, knobs: dict) -> bool:
+    """Whether `method` with `knobs` keeps any K/V below the model's precision (kv_bits < 16 or
+    a low tier). Unknown methods raise ValueError."""
+    settings = {**get_method(method).knobs(), **knobs}
+    return settings.get("kv_bits", 16) != 16 or bool(settings.get("low_budget", 0))

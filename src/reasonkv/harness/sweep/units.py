@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass, field
 
 from reasonkv.harness.sweep.grid import PLACEMENT, SELECTION, DatasetSpec, Grid, GridError
+from reasonkv.methods.knobs import stores_quantized
 from reasonkv.methods.registry import get_method
 
 
@@ -87,8 +88,7 @@ def _batches(setting: bool | str, method: str, knobs: dict) -> bool:
     common compression points instead). Never with quantized storage: a batch moves tokens to
     low precision only where every row has left the full-precision residual, so its rows
     would keep more in full precision, and hold more, than each trace alone."""
-    settings = {**get_method(method).knobs(), **knobs}
-    if settings.get("kv_bits", 16) != 16 or settings.get("low_budget", 0):
+    if stores_quantized(method, knobs):
         return False
     if setting == "every-step":
         return get_method(method).schedule.evicts_every_step
