@@ -98,7 +98,7 @@ def test_chunked_replay_of_quantized_storage_equals_token_by_token(name: str) ->
     that ignored this had half its token-by-token KL). In float64, so that a chunk's and a
     single token's matmuls round alike: in float32 a K value on a code boundary can round to
     the other code, and quantization turns that 1e-7 into a step."""
-    model = tiny_model("llama", "sdpa", KV_HEADS).double()
+    model = build_tiny_model("llama", "sdpa", KV_HEADS).double()  # its own: the shared one stays fp32
     run = QUANTIZED[name]
     chunked = replay_methods(model, trace_ids(), PROMPT, [run], block=64)[0]
     stepwise = replay_methods(model, trace_ids(), PROMPT, [run], block=64, stepwise=True)[0]
