@@ -74,6 +74,12 @@ def test_a_method_entry_with_its_own_knobs_runs_beside_the_plain_method() -> Non
     with pytest.raises(common.CliError, match="method:key=value"):
         common.build_runs(["snapkv:kv_bits"], [64], {})
     assert len(common.build_runs(["snapkv:kv_bits=4", "snapkv:kv_bits=4"], [64], {})) == 1
+    # A method that never compresses takes storage knobs only: anything else is refused, not dropped.
+    with pytest.raises(common.CliError, match="does not use kv_bit"):
+        common.build_runs(["full:kv_bit=4"], [64], {})
+    with pytest.raises(common.CliError, match="does not use window"):
+        common.build_runs(["full:window=8"], [64], {})
+    assert common.build_runs(["full:kv_bits=4"], [64], {})[0].knobs == {"kv_bits": 4}
 
 
 def test_replay_with_a_bad_knob_exits_2_in_one_line(tmp_path) -> None:

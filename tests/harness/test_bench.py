@@ -369,3 +369,34 @@ def test_kvpress_compare_dry_run_plans_both_sides(tmp_path, capsys) -> None:
     assert "--role reasonkv" in text and "--role kvpress" in text
     assert "kvpress==0.5.5" in text  # the venv it would create, from requirements-kvpress.txt
     assert not out.exists()
+
+
+def test_ratios_divide_by_the_plain_full_cache_and_baseline_not_their_variants() -> None:
+    def result(label: str, budget, tok_s: float, seconds: float) -> dict:
+        method = label.split(":")[0].split("@")[0]
+        mark = {"tokens": 8, "kv_bytes": 100.0, "physical_bytes": 100.0}
+        window = {"tokens_per_second": tok_s, "seconds": seconds}
+        return {
+            "label": label,
+            "method": method,
+            "budget": budget,
+            "tokens_per_second": tok_s,
+            "decode_seconds": seconds,
+            "windows": [window],
+            "marks": [mark],
+            "peak_kv_bytes": 100.0,
+            "rss_peak_delta": 1.0,
+            "score_select_seconds": 0.0,
+        }
+
+    results = [
+        result("full:kv_bits=4", None, 5.0, 2.0),
+        result("full", None, 10.0, 1.0),
+        result("streaming:kv_bits=4@16", 16, 4.0, 2.5),
+        result("streaming@16", 16, 20.0, 0.5),
+        result("snapkv@16", 16, 16.0, 1.0),
+    ]
+    bench.add_ratios(results)
+    by = {r["label"]: r["ratios"] for r in results}
+    assert by["snapkv@16"]["tokens_per_second"] == 1.6  # to the plain full cache's 10 tok/s
+    assert by["snapkv@16"]["overhead_vs_streaming"] == pytest.approx(0.5)  # to plain streaming's 0.5 s

@@ -192,9 +192,9 @@ def bench_command(
             )
         checked = build_runs(method_names, budget_list, parse_sets(sets))  # names, knobs: before loading
         runs = list(checked)
-        if all(r.method != "full" for r in runs):
+        if all(r.label != "full" for r in runs):  # a variant (full:kv_bits=4) is no reference
             runs.insert(0, bench.BenchRun("full"))
-        runs.sort(key=lambda r: r.method != "full")  # full first: every ratio is to it
+        runs.sort(key=lambda r: r.label != "full")  # the plain full cache first: every ratio is to it
         where = check_device(device, dtype)
         threads = set_threads()
         with loading_status(model_name):

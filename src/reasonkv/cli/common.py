@@ -191,6 +191,9 @@ def build_runs(methods: list[str], budgets: list[int], knobs: dict[str, object])
             if not extra
             else knobs_for_methods([name], {}, {name: {**shared[name], **dict(extra)}})[name]
         )
+        ignored = [k for k, _ in extra if k not in own]
+        if ignored:  # a method that never compresses takes its storage knobs only
+            raise CliError(f"method {name!r} does not use {', '.join(ignored)} (given as {name}:...)")
         tag = "".join(f":{k}={v}" for k, v in extra)
         if not get_method(name).compresses:
             runs.append(ReplayRun(name, None, own, tag))

@@ -44,6 +44,7 @@ from reasonkv.harness.bench.profiler import PROFILE_GROUPS, profile_decode
 from reasonkv.harness.bench.runs import (
     BASELINE,
     BenchRun,
+    is_plain_reference,
     is_reference,
     plan_runs,
     reference_method,
@@ -73,6 +74,7 @@ __all__ = [
     "decode_many",
     "eos_ids",
     "instrument",
+    "is_plain_reference",
     "is_reference",
     "layer_allocations",
     "machine_info",

@@ -21,7 +21,7 @@ from reasonkv.core.cache import GROWTH_CHUNK, CompressedCache
 from reasonkv.core.models import model_shape
 from reasonkv.harness.bench.decode import Progress, decode_many, eos_ids, reference_tokens
 from reasonkv.harness.bench.memory import release_memory
-from reasonkv.harness.bench.runs import BenchRun, is_reference, reference_method
+from reasonkv.harness.bench.runs import BenchRun, is_plain_reference, is_reference, reference_method
 from reasonkv.methods.api import make_cache
 from reasonkv.util.formatting import format_bytes
 
@@ -253,7 +253,7 @@ def measure_batches(
                 }
             )
         del built, traces
-    full = next((r for r in results if is_reference(r["method"])), None)
+    full = next((r for r in results if is_plain_reference(r)), None)
     for r in results:
         if full is not None:
             r["aggregate_ratio"] = r["aggregate_tokens_per_second"] / full["aggregate_tokens_per_second"]

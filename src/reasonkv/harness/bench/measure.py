@@ -17,7 +17,7 @@ from reasonkv.harness.bench.decode import (
     reference_tokens,
 )
 from reasonkv.harness.bench.memory import max_rss, release_memory
-from reasonkv.harness.bench.runs import BASELINE, BenchRun, is_reference, reference_method, windows_of
+from reasonkv.harness.bench.runs import BASELINE, BenchRun, is_plain_reference, reference_method, windows_of
 from reasonkv.harness.bench.timing import SCORING, SELECTION, SectionTimer, instrument
 from reasonkv.methods.api import make_cache
 
@@ -136,8 +136,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def add_ratios(results: list[dict], baseline: str = BASELINE) -> None:
     """Each run's numbers as ratios to the reference's (the run that keeps every token), and
     its overhead over `baseline` at the same budget (`overhead_vs_<baseline>`; see BASELINE)."""
-    full = next((r for r in results if is_reference(r["method"])), None)
-    same_size = {r["budget"]: r for r in results if r["method"] == baseline}
+    full = next((r for r in results if is_plain_reference(r)), None)
+    # The plain baseline only: a `streaming:kv_bits=4` variant (label with its knobs) is not it.
+    same_size = {r["budget"]: r for r in results if r["label"] == f"{baseline}@{r['budget']}"}
     for r in results:
         ratios: dict[str, object] = {}
         if full is not None:

@@ -21,6 +21,12 @@ def is_reference(method: str) -> bool:
     return get_method(method).compresses is False
 
 
+def is_plain_reference(result: dict) -> bool:
+    """Is this run (a result dict with its label) the reference as registered, not a variant
+    given knobs of its own (`full:kv_bits=4`)? Every ratio divides by it."""
+    return result["label"] == reference_method()
+
+
 def reference_method() -> str:
     """The registered method that keeps every token: it writes the tokens every run is fed."""
     return next(name for name in METHODS if is_reference(name))
