@@ -123,6 +123,7 @@ def test_predicted_decode_peak_is_a_replay_alone(method: str) -> None:
         ("adakv-snapkv", {}, "re-splits the budget between heads"),
         ("quant-int4", {}, "quantized to 4 bits"),
         ("snapkv", {"protect_prompt": True}, "keeps the whole prompt"),
+        ("snapkv", {"low_budget": 32}, "low tier of 32 tokens"),
     ],
 )
 def test_a_schedule_the_prediction_cannot_follow_is_named(method: str, knobs: dict, reason: str) -> None:

@@ -235,6 +235,12 @@ class KVFormat:
         return self.kv_bits != 16
 
     @property
+    def below_model_precision(self) -> bool:
+        """Keeps some K/V at fewer bits than the model computes them: kv_bits below 16, or a
+        low tier for what eviction drops."""
+        return self.quantized or self.low_budget > 0
+
+    @property
     def low_group(self) -> int:
         """Channels per group of the low tier (low_group_size, or group_size when it is None)."""
         return self.group_size if self.low_group_size is None else self.low_group_size

@@ -259,7 +259,9 @@ def route_knobs(spec: MethodSpec, overrides: dict) -> dict[str, dict]:
 
 
 def stores_quantized(method: str, knobs: dict) -> bool:
-    """Whether `method` with `knobs` keeps any K/V below the model's precision (kv_bits < 16 or
-    a low tier). Unknown methods raise ValueError."""
-    settings = {**get_method(method).knobs(), **knobs}
-    return settings.get("kv_bits", 16) != 16 or bool(settings.get("low_budget", 0))
+    """Whether `method` with `knobs` keeps any K/V below the model's precision (its storage
+    format's `below_model_precision`). Unknown methods raise ValueError."""
+    spec = get_method(method)
+    storage = storage_knobs(spec)
+    storage.update((k, v) for k, v in knobs.items() if k in storage)
+    return spec.storage(**storage).below_model_precision

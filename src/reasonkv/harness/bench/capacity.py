@@ -102,8 +102,11 @@ def unpredictable(cache: CompressedCache, compresses: bool) -> str | None:
         return "it re-splits the budget between heads at every compression"
     if policy.protect_prompt:
         return "it keeps the whole prompt on top of its budget"
-    if policy.kv_format is not None and policy.kv_format.quantized:
-        return f"its K/V are quantized to {policy.kv_format.kv_bits} bits"
+    fmt = policy.kv_format
+    if fmt is not None and fmt.quantized:
+        return f"its K/V are quantized to {fmt.kv_bits} bits"
+    if fmt is not None and fmt.below_model_precision:
+        return f"it keeps a low tier of {fmt.low_budget} tokens per head beside its budget"
     return None
 
 
