@@ -20,13 +20,16 @@ def reference_unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def reference_dequantize(q: QuantizedTensor, slots: int, dtype: torch.dtype) -> torch.Tensor:
-    """The first `slots` slots of `q` by the textbook formula: zero + code * scale per group."""
+    """The first `slots` slots of `q` by the textbook formula: zero + code * scale per group
+    (in float32 the product is rounded before the add for groups along channels)."""
     per = slots // q.group_size if q.dim == 2 else slots
     codes = reference_unpack(q.codes[:, :, :slots], q.bits).to(dtype)
     codes = codes.unflatten(q.dim, (codes.shape[q.dim] // q.group_size, q.group_size))
     scale = q.scale[:, :, :per].unsqueeze(q.dim + 1).to(dtype)
     zero = q.zero[:, :, :per].unsqueeze(q.dim + 1).to(dtype)
-    return torch.addcmul(zero, codes, scale).flatten(q.dim, q.dim + 1)
+    two_steps = q.dim == codes.dim() - 2 and dtype == torch.float32
+    scaled = codes * scale + zero if two_steps else torch.addcmul(zero, codes, scale)
+    return scaled.flatten(q.dim, q.dim + 1)
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])

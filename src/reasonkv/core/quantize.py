@@ -178,15 +178,30 @@ def _scale_codes_(
 ) -> None:
     """x (codes as floats, in scale's dtype) <- zero + x * scale, in place, per group along `dim`.
 
-    One addcmul, the same arithmetic for any layout. Groups along the last axis would put a
-    broadcast of a group's scale in the innermost loop, which the CPU kernel runs element by
-    element; expanding scale and zero first (a broadcast copy is fast) is several times faster.
+    Groups along another axis than the last (keys): one addcmul, with scale and zero broadcast
+    over an outer axis. Groups along the last axis (values, the low tier): `scale_channel_groups_`.
     """
     x = x.unflatten(dim, (x.shape[dim] // group_size, group_size))
     scale, zero = scale.unsqueeze(dim + 1), zero.unsqueeze(dim + 1)
     if dim == x.dim() - 2:
-        scale, zero = scale.expand_as(x).contiguous(), zero.expand_as(x).contiguous()
-    torch.addcmul(zero, x, scale, out=x)
+        scale_channel_groups_(x, scale, zero)
+    else:
+        torch.addcmul(zero, x, scale, out=x)
+
+
+def scale_channel_groups_(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+    """x [..., groups, g] <- zero + x * scale in place, scale and zero [..., groups, 1].
+
+    The broadcast of scale and zero falls in the innermost loop. The CPU kernels stay
+    vectorised there for one broadcast float32 operand, not two, and for no bf16/fp16 one. So:
+    float32 multiplies, then adds (the product rounded first; nothing copied); other dtypes
+    expand scale and zero first (a broadcast copy is fast) and take one addcmul. Every reader
+    of these codes goes through here, so they all share one arithmetic per dtype.
+    """
+    if x.dtype == torch.float32:
+        x.mul_(scale).add_(zero)
+    else:
+        torch.addcmul(zero.expand_as(x).contiguous(), x, scale.expand_as(x).contiguous(), out=x)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from reasonkv.core.quantize import (
     KVFormat,
     QuantizedTensor,
     quantize,
+    scale_channel_groups_,
     unpack_wide_,
     unpack_wide_dtype,
 )
@@ -83,8 +84,7 @@ def _put(dst: QuantizedTensor, src: QuantizedTensor, start: int) -> None:
 
 class _ReadPlan(NamedTuple):
     """Views of the stored tensors that a read needs, made once per layout (no copies): the
-    quantized part's codes, the keys' scales and zeros shaped to broadcast over their groups,
-    the values' expanded over theirs (stride 0)."""
+    quantized part's codes and the scales and zeros shaped to broadcast over their groups."""
 
     q_used: int
     kq: QuantizedTensor
@@ -100,14 +100,11 @@ def _read_plan(
 ) -> _ReadPlan | None:
     """The plan of `QuantizedKVStorage._dequantize` or, where it does not apply (keys and values
     of other head dims or dtypes, scales in another dtype, a big-endian machine), None."""
-    b, h, _, d = k_res.shape
     dtypes = {kq.scale.dtype, kq.zero.dtype, vq.scale.dtype, vq.zero.dtype, k_res.dtype, v_res.dtype}
     same = len(dtypes) == 1 and k_res.shape[-1] == v_res.shape[-1]
     if not same or (kq.bits != 8 and sys.byteorder != "little"):
         return None
-    g = kq.group_size
-    m = q_used // g
-    grouped = (b, h, q_used, d // g, g)
+    m = q_used // kq.group_size
     return _ReadPlan(
         q_used,
         kq,
@@ -115,7 +112,7 @@ def _read_plan(
         (kq.codes[:, :, :q_used], vq.codes[:, :, :q_used]),
         kq.scale[:, :, :m].unsqueeze(3),
         kq.zero[:, :, :m].unsqueeze(3),
-        (vq.scale[:, :, :q_used, :, None].expand(grouped), vq.zero[:, :, :q_used, :, None].expand(grouped)),
+        (vq.scale[:, :, :q_used, :, None], vq.zero[:, :, :q_used, :, None]),
     )
 
 
@@ -186,8 +183,9 @@ class QuantizedKVStorage(KVStorage):
         So: keys and values share one fresh buffer [2B, H, used, D] (both halves are the
         step's view, metered as before: the same bytes as two tensors); their codes are
         widened in one copy, unpacked with whole-tensor shifts and masks (`unpack_wide_`),
-        converted into the buffer in one copy, scaled there in place (one addcmul each, the
-        arithmetic of `dequantize`), and the residuals copied in after them in one more."""
+        converted into the buffer in one copy, scaled there in place (the arithmetic of
+        `dequantize`: one addcmul for the keys, `scale_channel_groups_` for the values), and the
+        residuals copied in after them in one more."""
         plan = self._plan
         if plan is None or plan.q_used != self.q_used or plan.kq is not self.kq or plan.vq is not self.vq:
             plan = self._plan = _read_plan(self.kq, self.vq, self.q_used, self.k_res, self.v_res)
@@ -208,10 +206,7 @@ class QuantizedKVStorage(KVStorage):
             quantized.copy_(unpack_wide_(wide, bits).view(2 * b, h, q, d))
         keys = quantized[:b].unflatten(2, (q // g, g))
         torch.addcmul(plan.k_zero, keys, plan.k_scale, out=keys)
-        expanded = out.new_empty(2 * b, h, q, d // g, g)  # the values' scales, then their zeros
-        torch.cat(plan.v_scale_zero, out=expanded)
-        values = quantized[b:].unflatten(3, (d // g, g))
-        torch.addcmul(expanded[b:], values, expanded[:b], out=values)
+        scale_channel_groups_(quantized[b:].unflatten(3, (d // g, g)), *plan.v_scale_zero)
         torch.cat([k_res, v_res], out=out[:, :, q:])
         return out[:b], out[b:]
 
