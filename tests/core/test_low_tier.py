@@ -227,15 +227,15 @@ def test_a_large_8_bit_low_tier_brings_logits_back_to_the_full_cache(
 
 
 @torch.no_grad()
-def test_a_chunked_replay_attends_the_low_tier_as_token_by_token_decoding_does() -> None:
+@pytest.mark.parametrize("low_bits", [4, 2])
+def test_a_chunked_replay_attends_the_low_tier_as_token_by_token_decoding_does(low_bits: int) -> None:
     """Forwards of several tokens (replay's chunks, cut at the next compression) see the low
     tier through a causal mask built from both tiers' indices, as single steps do."""
     model = tiny_model("llama")
     ids, tokens = random_prompt(30, 3), random_prompt(60, 4)
-    stepwise = forced(
-        model, ids, torch.ones_like(ids), make_cache(model, "snapkv", 24, interval=8, low_budget=20), tokens
-    )
-    cache = make_cache(model, "snapkv", 24, interval=8, low_budget=20)
+    knobs = {"interval": 8, "low_budget": 20, "low_bits": low_bits}
+    stepwise = forced(model, ids, torch.ones_like(ids), make_cache(model, "snapkv", 24, **knobs), tokens)
+    cache = make_cache(model, "snapkv", 24, **knobs)
     out = model(input_ids=ids, cache=cache, use_cache=True)
     fed = chunks = 0
     while fed < tokens.shape[1]:

@@ -225,7 +225,7 @@ class KVFormat:
     group_size: int = knob(16, ge=1, le=1024)
     residual: int = tokens(32, minimum=0)
     low_budget: int = tokens(0, minimum=0)
-    low_bits: Literal[8, 4, 2] = 2
+    low_bits: Literal[8, 4, 2] = 4
     low_group_size: int | None = knob(None, ge=1, le=1024)
 
     def __post_init__(self) -> None:
