@@ -171,6 +171,19 @@ def test_unit_keys_are_stable_and_track_what_changes_the_numbers(tmp_path) -> No
     assert len(base - changed) == 5
 
 
+def test_a_two_tier_unit_records_its_tier_width_so_a_changed_default_changes_its_key(tmp_path) -> None:
+    """low_bits defaulted to 2 once and to 4 now: a unit run under either must have its own key."""
+
+    def snapkv_units(**knobs):
+        return [u for u in sw.expand(grid_of(tmp_path, knobs=knobs)) if u.config["method"] == "snapkv"]
+
+    implicit, explicit = snapkv_units(low_budget=8), snapkv_units(low_budget=8, low_bits=4)
+    assert implicit and all(u.config["knobs"]["low_bits"] == 4 for u in implicit)
+    assert [u.key for u in implicit] == [u.key for u in explicit]
+    assert not {u.key for u in implicit} & {u.key for u in snapkv_units(low_budget=8, low_bits=2)}
+    assert all("low_bits" not in u.config["knobs"] for u in snapkv_units())  # no tier: keys as before
+
+
 @pytest.mark.parametrize(
     ("over", "message"),
     [

@@ -225,6 +225,10 @@ def knobs_for_methods(
         if not spec.compresses:
             mine = {k: v for k, v in mine.items() if k in storage_knobs(spec)}
         out[name] = check_knobs(spec, mine)
+        if out[name].get("low_budget") and "low_bits" not in out[name]:
+            # A two-tier unit records its tier's width: the default changed once (2 -> 4), and
+            # a sweep unit's key, made from these knobs, must not stand for both.
+            out[name]["low_bits"] = spec.knobs()["low_bits"]
     return out
 
 

@@ -1,0 +1,158 @@
+"""KL and top-1 against peak K/V bytes per sequence at 16 bits: evicting, quantizing, or both.
+
+Every point is a configuration replayed on the same traces, x its decode-time peak K/V of one
+sequence alone with every unquantized value counted at 16 bits (what a bf16/fp16 server holds):
+- evict-only at 16 bits: the peak sweep's pooled fidelity, at the alone peaks that
+  `scripts/alone_peaks.py` predicts (fp32 bytes, halved: nothing is quantized there);
+- everything that stores K/V below 16 bits (kv_bits, the two-tier cache, quant-int*):
+  sweeps that replay each trace alone, at their metered 16-bit peaks.
+
+    python scripts/bytes_plot.py --evict docs/results/replay-sweep-peak.jsonl \\
+      --alone-peaks docs/results/alone-peaks.json --low-bit docs/results/bytes-sweep-alone.jsonl \\
+      --methods beaconkv,h2o --out docs/results/bytes.png --json docs/results/bytes-points.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from reasonkv.core.quantize import KVFormat
+from reasonkv.harness.report import load_records, summarize_results
+from reasonkv.util.plotting import pyplot, save_figure
+
+MIB = 2**20
+
+
+def _label(row: dict) -> str:
+    knobs = ",".join(f"{k}={v}" for k, v in sorted(row.get("knobs", {}).items()))
+    return f"{row['method']}[{knobs}]" if knobs else row["method"]
+
+
+def _family(row: dict) -> str:
+    """Which curve a point belongs to: a method under one knob setting, budgets along it. A
+    two-tier cache's low budget is a multiple of its budget here, so the curve is keyed by
+    that multiple, its bits and its other knobs."""
+    knobs = dict(row.get("knobs", {}))
+    low = knobs.pop("low_budget", 0)
+    if not low:
+        return _label(row)
+    bits = knobs.pop("low_bits", KVFormat().low_bits)
+    ratio = low / row["budget"] if row.get("budget") else None
+    size = f"{ratio:g}x its budget" if ratio else f"{low} tokens"
+    rest = f" [{','.join(f'{k}={v}' for k, v in sorted(knobs.items()))}]" if knobs else ""
+    return f"{row['method']}{rest} + a {bits}-bit tier of {size}"
+
+
+def _rows(path: Path) -> list[dict]:
+    records, _ = load_records([path])
+    return [row for section in summarize_results(records) for row in section.rows]
+
+
+def points(evict: Path, alone_peaks: Path, low_bit: Path, methods: list[str]) -> list[dict]:
+    peaks = {
+        (r["method"], r["budget"]): r["alone_peak_kv_bytes"] / 2
+        for r in json.loads(alone_peaks.read_text())["rows"]
+        if not r["knobs"] and r.get("alone_peak_kv_bytes") is not None
+    }
+    out = []
+    evicted = [row for row in _rows(evict) if row["method"] in methods and not row.get("knobs")]
+    full = max((row["traces"] for row in evicted), default=0)
+    for row in evicted:
+        key = (row["method"], row.get("budget"))
+        if key in peaks:
+            out.append(
+                {**_point(row), "peak_16bit_mib": peaks[key] / MIB, "family": f"{row['method']} (16-bit)"}
+            )
+    for row in _rows(low_bit):
+        if row.get("peak_kv_bytes_16bit") is None:
+            continue
+        if row["traces"] < full:  # a sweep still running: its mean is not comparable yet
+            print(f"left out (partial: {row['traces']} of {full} traces): {_label(row)}@{row.get('budget')}")
+            continue
+        out.append(
+            {**_point(row), "peak_16bit_mib": row["peak_kv_bytes_16bit"] / MIB, "family": _family(row)}
+        )
+    return out
+
+
+def _point(row: dict) -> dict:
+    return {
+        "label": _label(row),
+        "budget": row.get("budget"),
+        "traces": row["traces"],
+        "mean_kl": row["mean_kl"],
+        "top1": row["top1"],
+    }
+
+
+def goal_bytes(alone_peaks: Path) -> float | None:
+    """The issue's reference memory: SnapKV@128's peak alone, at 16 bits (MiB)."""
+    rows = json.loads(alone_peaks.read_text())["rows"]
+    hit = [r for r in rows if r["method"] == "snapkv" and r["budget"] == 128 and not r["knobs"]]
+    return hit[0]["alone_peak_kv_bytes"] / 2 / MIB if hit and hit[0].get("alone_peak_kv_bytes") else None
+
+
+def plot(pts: list[dict], out: Path, goal_mib: float | None = None) -> Path:
+    plt = pyplot()
+    fig, (ax_kl, ax_top1) = plt.subplots(1, 2, figsize=(12, 4.8))
+    families = list(dict.fromkeys(p["family"] for p in pts))
+    for fam in families:
+        mine = sorted((p for p in pts if p["family"] == fam), key=lambda p: p["peak_16bit_mib"])
+        x = [p["peak_16bit_mib"] for p in mine]
+        style = {"marker": "o", "linestyle": "-" if len(mine) > 1 else "none", "label": fam}
+        ax_kl.plot(x, [p["mean_kl"] for p in mine], **style)
+        ax_top1.plot(x, [p["top1"] for p in mine], **style)
+    if goal_mib is not None:  # the goal: KL <= 0.07 and top-1 >= 0.94 at SnapKV@128's memory
+        for ax, level in ((ax_kl, 0.07), (ax_top1, 0.94)):
+            ax.axvline(goal_mib, color="grey", linestyle=":", linewidth=1)
+            ax.axhline(level, color="grey", linestyle=":", linewidth=1)
+            ax.annotate(
+                "goal at snapkv@128's memory",
+                (goal_mib, level),
+                fontsize=7,
+                color="grey",
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
+    for ax in (ax_kl, ax_top1):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("peak K/V per sequence, MiB at 16 bits (one trace alone)")
+        ax.grid(alpha=0.3, which="both")
+    ax_kl.set_yscale("log")
+    ax_kl.set_ylabel("mean KL(full ‖ method), nats")
+    ax_top1.set_ylabel("top-1 agreement with the full cache")
+    ax_kl.legend(fontsize=7)
+    traces = sorted({p["traces"] for p in pts})
+    fig.suptitle(
+        "Evict, quantize, or both: SmolLM2-135M (not a reasoning model) reading "
+        f"{'/'.join(map(str, traces))} reasoning traces, 2,048 tokens",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return save_figure(fig, out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--evict", type=Path, required=True, help="the peak sweep (evict-only, 16 bits)")
+    p.add_argument("--alone-peaks", type=Path, required=True, help="scripts/alone_peaks.py --out JSON")
+    p.add_argument("--low-bit", type=Path, required=True, help="sweep of low-bit units, each trace alone")
+    p.add_argument("--methods", default="beaconkv,h2o", help="evict-only methods to draw")
+    p.add_argument("--out", type=Path, default=Path("bytes.png"))
+    p.add_argument("--json", type=Path, default=None, help="also write the points here")
+    args = p.parse_args()
+    pts = points(args.evict, args.alone_peaks, args.low_bit, args.methods.split(","))
+    for pt in sorted(pts, key=lambda q: (q["family"], q["peak_16bit_mib"])):
+        print(
+            f"{pt['family']:<46} {pt['label']:<40} {pt['budget']!s:>5} {pt['peak_16bit_mib']:6.2f} MiB "
+            f"KL {pt['mean_kl']:.4f} top-1 {pt['top1']:.3f} ({pt['traces']} traces)"
+        )
+    print("plot ->", plot(pts, args.out, goal_bytes(args.alone_peaks)))
+    if args.json:
+        args.json.write_text(json.dumps(pts, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
