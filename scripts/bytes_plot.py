@@ -10,6 +10,8 @@ sequence alone with every unquantized value counted at 16 bits (what a bf16/fp16
     python scripts/bytes_plot.py --evict docs/results/replay-sweep-peak.jsonl \\
       --alone-peaks docs/results/alone-peaks.json --low-bit docs/results/bytes-sweep-alone.jsonl \\
       --methods beaconkv,h2o --out docs/results/bytes.png --json docs/results/bytes-points.json
+    python scripts/bytes_plot.py --curves docs/results/bytes-length-probe.jsonl \
+      --out docs/results/bytes-length-probe.png
 """
 
 from __future__ import annotations
@@ -134,15 +136,52 @@ def plot(pts: list[dict], out: Path, goal_mib: float | None = None) -> Path:
     return save_figure(fig, out)
 
 
+def curves(path: Path, out: Path) -> Path:
+    """KL per position bin, pooled over traces, one line per method × budget: where a budget
+    starts to bind, eviction's KL rises; quantization's stays level and its bytes grow."""
+    records, _ = load_records([path])
+    pooled: dict[str, dict[int, list[float]]] = {}
+    for r in records:
+        if r.get("status") != "ok" or r["config"]["method"] == "full":
+            continue
+        c = r["config"]
+        name = c["method"] if c.get("budget") is None else f"{c['method']}@{c['budget']}"
+        for b in r["metrics"]["curve"]:  # bins share their starts; a trace's last one ends early
+            kl_sum, n = pooled.setdefault(name, {}).setdefault(b["start"], [0.0, 0])
+            pooled[name][b["start"]] = [kl_sum + b["mean_kl"] * b["positions"], n + b["positions"]]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, bins in pooled.items():
+        starts = sorted(bins)
+        ax.plot(
+            starts, [bins[x][0] / bins[x][1] for x in starts], marker="o", label=name, drawstyle="steps-post"
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("trace position (start of each bin, prompt included)")
+    ax.set_ylabel("mean KL(full ‖ method) in the bin, nats")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    traces = len({r["config"]["item"] for r in records})
+    ax.set_title(f"Along the chain: SmolLM2-135M (not a reasoning model), {traces} traces", fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--evict", type=Path, required=True, help="the peak sweep (evict-only, 16 bits)")
-    p.add_argument("--alone-peaks", type=Path, required=True, help="scripts/alone_peaks.py --out JSON")
-    p.add_argument("--low-bit", type=Path, required=True, help="sweep of low-bit units, each trace alone")
+    p.add_argument("--evict", type=Path, help="the peak sweep (evict-only, 16 bits)")
+    p.add_argument("--alone-peaks", type=Path, help="scripts/alone_peaks.py --out JSON")
+    p.add_argument("--low-bit", type=Path, help="sweep of low-bit units, each trace alone")
+    p.add_argument("--curves", type=Path, help="instead: KL along the chain of this sweep's units")
     p.add_argument("--methods", default="beaconkv,h2o", help="evict-only methods to draw")
     p.add_argument("--out", type=Path, default=Path("bytes.png"))
     p.add_argument("--json", type=Path, default=None, help="also write the points here")
     args = p.parse_args()
+    if args.curves is not None:
+        print("plot ->", curves(args.curves, args.out))
+        return
+    if None in (args.evict, args.alone_peaks, args.low_bit):
+        p.error("--evict, --alone-peaks and --low-bit are needed (or --curves)")
     pts = points(args.evict, args.alone_peaks, args.low_bit, args.methods.split(","))
     for pt in sorted(pts, key=lambda q: (q["family"], q["peak_16bit_mib"])):
         print(
