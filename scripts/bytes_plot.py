@@ -43,8 +43,7 @@ def _family(row: dict) -> str:
     bits = knobs.pop("low_bits", KVFormat().low_bits)
     ratio = low / row["budget"] if row.get("budget") else None
     size = f"{ratio:g}x its budget" if ratio else f"{low} tokens"
-    rest = f" [{','.join(f'{k}={v}' for k, v in sorted(knobs.items()))}]" if knobs else ""
-    return f"{row['method']}{rest} + a {bits}-bit tier of {size}"
+    return f"{_label({'method': row['method'], 'knobs': knobs})} + a {bits}-bit tier of {size}"
 
 
 def _rows(path: Path) -> list[dict]:
@@ -52,12 +51,18 @@ def _rows(path: Path) -> list[dict]:
     return [row for section in summarize_results(records) for row in section.rows]
 
 
-def points(evict: Path, alone_peaks: Path, low_bit: Path, methods: list[str]) -> list[dict]:
-    peaks = {
+def alone_peaks_16bit(path: Path) -> dict[tuple[str, int], float]:
+    """(method, budget) -> peak bytes of one sequence alone at 16 bits, for the unquantized,
+    default-knob rows of `scripts/alone_peaks.py --out` (fp32 bytes there, so halved)."""
+    rows = json.loads(path.read_text())["rows"]
+    return {
         (r["method"], r["budget"]): r["alone_peak_kv_bytes"] / 2
-        for r in json.loads(alone_peaks.read_text())["rows"]
+        for r in rows
         if not r["knobs"] and r.get("alone_peak_kv_bytes") is not None
     }
+
+
+def points(evict: Path, peaks: dict[tuple[str, int], float], low_bit: Path, methods: list[str]) -> list[dict]:
     out = []
     evicted = [row for row in _rows(evict) if row["method"] in methods and not row.get("knobs")]
     full = max((row["traces"] for row in evicted), default=0)
@@ -89,11 +94,10 @@ def _point(row: dict) -> dict:
     }
 
 
-def goal_bytes(alone_peaks: Path) -> float | None:
+def goal_bytes(peaks: dict[tuple[str, int], float]) -> float | None:
     """The issue's reference memory: SnapKV@128's peak alone, at 16 bits (MiB)."""
-    rows = json.loads(alone_peaks.read_text())["rows"]
-    hit = [r for r in rows if r["method"] == "snapkv" and r["budget"] == 128 and not r["knobs"]]
-    return hit[0]["alone_peak_kv_bytes"] / 2 / MIB if hit and hit[0].get("alone_peak_kv_bytes") else None
+    peak = peaks.get(("snapkv", 128))
+    return None if peak is None else peak / MIB
 
 
 def plot(pts: list[dict], out: Path, goal_mib: float | None = None) -> Path:
@@ -182,13 +186,14 @@ def main() -> None:
         return
     if None in (args.evict, args.alone_peaks, args.low_bit):
         p.error("--evict, --alone-peaks and --low-bit are needed (or --curves)")
-    pts = points(args.evict, args.alone_peaks, args.low_bit, args.methods.split(","))
+    peaks = alone_peaks_16bit(args.alone_peaks)
+    pts = points(args.evict, peaks, args.low_bit, args.methods.split(","))
     for pt in sorted(pts, key=lambda q: (q["family"], q["peak_16bit_mib"])):
         print(
             f"{pt['family']:<46} {pt['label']:<40} {pt['budget']!s:>5} {pt['peak_16bit_mib']:6.2f} MiB "
             f"KL {pt['mean_kl']:.4f} top-1 {pt['top1']:.3f} ({pt['traces']} traces)"
         )
-    print("plot ->", plot(pts, args.out, goal_bytes(args.alone_peaks)))
+    print("plot ->", plot(pts, args.out, goal_bytes(peaks)))
     if args.json:
         args.json.write_text(json.dumps(pts, indent=1) + "\n")
 
