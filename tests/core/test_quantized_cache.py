@@ -8,7 +8,7 @@ import torch
 
 from conftest import HEAD_DIM, left_pad, random_prompt, tiny_model
 from reasonkv.core.memory_meter import MemoryMeter
-from reasonkv.core.quantize import KVFormat, dequantize
+from reasonkv.core.quantize import KVFormat, dequantize, quantize
 from reasonkv.core.quantized_storage import QuantizedKVStorage
 from reasonkv.methods.api import make_cache
 from reasonkv.methods.knobs import KnobError, check_knobs
@@ -204,9 +204,11 @@ def test_the_baselines_never_evict_and_store_every_token_at_their_bits() -> None
     assert int(cache.layers[0].n_valid.min()) == 30 + 40
 
 
-def test_a_quantized_compaction_counts_its_dequantized_view_and_gathered_copy_in_the_peak() -> None:
+def test_a_quantized_compaction_peaks_at_old_storage_view_and_new_storage_with_no_full_copy() -> None:
     """Compaction holds, at once: the old storage, the dequantized view this step read (its
-    attention still holds it), the gathered kept tokens in full precision, and the new storage."""
+    attention still holds it) and the new storage; the kept tokens are never copied whole in
+    full precision (values move as codes, keys a chunk of groups at a time), and the new
+    residual is `residual + group_size` slots."""
     meter = MemoryMeter()
     s = QuantizedKVStorage(
         1, 2, torch.device("cpu"), KVFormat(kv_bits=4, group_size=8, residual=8), meter=meter
@@ -224,11 +226,41 @@ def test_a_quantized_compaction_counts_its_dequantized_view_and_gathered_copy_in
     assert held == s.kv_bytes()
     meter.restart_peak()
     view = 2 * 2 * 40 * HEAD_DIM * 4  # K and V, 2 heads, 40 slots, fp32
-    gathered = 2 * 2 * 20 * HEAD_DIM * 4
-    s.compact(torch.arange(0, 40, 2).expand(1, 2, 20), torch.full((1, 2), 20), 24)
+    s.read_keys()  # the step's attention read it
+    kept = torch.arange(0, 40, 2).expand(1, 2, 20)
+    s.compact(kept, torch.full((1, 2), 20), 24)
     new = s.kv_bytes()
+    assert s.q_used == 8 and s.k_res.shape[2] == 8 + 8  # (20 - 8) // 8 groups; residual + group
     # The step's attention still holds the view it read until the step ends (settle).
-    assert meter.peak == held + view + gathered + new
+    assert meter.peak == held + view + new
     assert meter.current == new + view
     s.settle()
     assert meter.current == new == s.kv_bytes()
+
+
+def test_a_quantized_compaction_moves_values_as_codes_and_requantizes_keys_within_the_bound() -> None:
+    """Kept values come out as they were stored (quantized ones bit for bit, residual ones as
+    `settle` would quantize them); kept keys within half their new group's scale of the view."""
+    fmt = KVFormat(kv_bits=4, group_size=8, residual=8)
+    s = QuantizedKVStorage(1, 2, torch.device("cpu"), fmt, meter=MemoryMeter())
+    k, v = torch.randn(1, 2, 44, HEAD_DIM), torch.randn(1, 2, 44, HEAD_DIM)
+    s.ensure_capacity(44, 64, k, v)
+    s.append(k, v, 0)
+    s.settle()
+    assert s.q_used == 32  # slots 32..43 are the residual
+    keys, values = s.read_keys().clone(), s.read_values().clone()
+    kept = torch.tensor([[[5, 20, 25, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43]]])  # 32..: residual
+    kept = kept.expand(1, 2, -1)
+    s.compact(kept, torch.full((1, 2), 16), 24)
+    assert s.q_used == 8
+    pick = kept[..., None].expand(-1, -1, -1, HEAD_DIM)
+    want_v = values.gather(2, pick)
+    residual_values = dequantize(quantize(v[:, :, 32:], 4, 8, 3))  # what `settle` would store
+    want_v[:, :, 4:8] = residual_values[:, :, :4]
+    got_v = s.read_values()
+    assert torch.equal(got_v[:, :, :8], want_v[:, :, :8])  # the new quantized part: stored codes
+    assert torch.equal(got_v[:, :, 8:], values.gather(2, pick)[:, :, 8:])  # the residual: the view
+    got_k, want_k = s.read_keys(), keys.gather(2, pick)
+    assert torch.equal(got_k[:, :, 8:], want_k[:, :, 8:])
+    bound = s.kq.scale[:, :, :1].repeat_interleave(8, 2) / 2 * (1 + 1e-5)
+    assert bool(((got_k[:, :, :8] - want_k[:, :, :8]).abs() <= bound).all())

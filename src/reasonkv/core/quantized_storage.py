@@ -14,11 +14,16 @@ head stay behind. Reads (`read_keys`, attention and the scorers) dequantize the 
 and append the residual: a transient full-precision copy of one layer, alive from `update`
 to the end of the layer's step, and counted in the peak of the memory meter.
 
-Holes and padding only change `token_index`, so they need nothing here. A compaction gathers
-kept slots that may come from different key groups, so it dequantizes, gathers in full
-precision and quantizes again from the new layout: values (one token, one group) come back
-as they were, up to float rounding; keys are re-quantized over their new groups, which costs
-at most half a new group's scale per compaction a token survives.
+The residual holds `residual + group_size` slots (more only while heads are ragged): decoding
+adds one token a step and `settle` moves a group out as soon as the shortest head has
+`residual + group_size`, so every byte allocated there is used at some step.
+
+Holes and padding only change `token_index`, so they need nothing here. A compaction keeps
+what it can in codes: values (one token, one group) are gathered as they are stored, codes,
+scale and zero; keys, whose groups run over tokens, are gathered from the step's view a few
+groups at a time and quantized over their new groups, which costs at most half a new group's
+scale per compaction a token survives. No full-precision copy of the kept tokens is made, so
+a compaction's peak is the old storage, the step's view and the new storage.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ from reasonkv.core.quantize import (
     unpack_wide_dtype,
 )
 from reasonkv.core.storage import KVStorage
+
+KEY_CHUNK = 128
+"""Kept keys a compaction gathers and quantizes at once (rounded to whole groups): the only
+full-precision copy it makes, so a bounded part of a layer however many tokens it keeps."""
 
 QUANT_CHUNK = 256
 """The quantized part grows by its own size, at most this many slots (rounded up to whole
@@ -113,6 +122,30 @@ def _read_plan(
         kq.scale[:, :, :m].unsqueeze(3),
         kq.zero[:, :, :m].unsqueeze(3),
         (vq.scale[:, :, :q_used, :, None], vq.zero[:, :, :q_used, :, None]),
+    )
+
+
+def _token_slots(q: QuantizedTensor, slots: torch.Tensor) -> QuantizedTensor:
+    """Slots `slots` [B, H, k] (axis 2) of a per-token quantized tensor (values): codes, scales
+    and zeros as they are, nothing re-quantized."""
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.gather(2, slots[..., None].expand(-1, -1, -1, t.shape[-1]))
+
+    return QuantizedTensor(pick(q.codes), pick(q.scale), pick(q.zero), q.bits, q.group_size, q.dim)
+
+
+def _parts(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.codes, q.scale, q.zero
+
+
+def _cat_slots(a: QuantizedTensor, b: QuantizedTensor) -> QuantizedTensor:
+    """Per-token quantized tensors `a` then `b` along the slot axis."""
+    return QuantizedTensor(
+        *(torch.cat([x, y], 2) for x, y in ((a.codes, b.codes), (a.scale, b.scale), (a.zero, b.zero))),
+        a.bits,
+        a.group_size,
+        a.dim,
     )
 
 
@@ -261,6 +294,12 @@ class QuantizedKVStorage(KVStorage):
         if needed - self.q_used > self.k_res.shape[2]:
             self._resize_residual(needed - self.q_used + self.fmt.group_size)
 
+    def _residual_room(self) -> int:
+        """Residual slots that hold every head's tokens until the next `settle` moves a group:
+        the shortest head reaches `residual + group_size` first, the others are longer by
+        `used - min_len`. Always more than the residual holds after a settle or compaction."""
+        return self.fmt.residual + self.fmt.group_size + max(self.used - self.min_len, 0)
+
     def _empty(self, like: torch.Tensor, dim: int) -> QuantizedTensor:
         return quantize(like[:, :, :0], self.fmt.kv_bits, self.fmt.group_size, dim)
 
@@ -318,7 +357,7 @@ class QuantizedKVStorage(KVStorage):
         _put(kq, k_new, self.q_used)
         _put(vq, v_new, self.q_used)
         rest = self.used - self.q_used - m
-        keep = max(self.fmt.residual + 2 * g, rest + g)
+        keep = self._residual_room()
         if self.k_res.shape[2] > keep:  # a prefill's residual shrinks back
             k_res = self.k_res.new_zeros(*self.k_res.shape[:2], keep, self.k_res.shape[-1])
             v_res = self.v_res.new_zeros(*self.v_res.shape[:2], keep, self.v_res.shape[-1])
@@ -334,15 +373,13 @@ class QuantizedKVStorage(KVStorage):
 
     # ---------------------------------------------------------- tokens leave
     def compact(self, slots: torch.Tensor, new_len: torch.Tensor, capacity: int) -> None:
-        """Gather the kept slots in full precision, then quantize them again (see the module doc)."""
+        """Lay the kept slots out anew: values gathered as codes, keys re-quantized from the
+        step's view a chunk of groups at a time (see the module doc)."""
         b, h, k = slots.shape
         safe = slots.clamp(max=max(self.used - 1, 0))
         present = slots < self.used
-        keys, values = self.read_keys(), self.read_values()
-        keys = keys.gather(2, safe[..., None].expand(-1, -1, -1, keys.shape[-1]))
-        values = values.gather(2, safe[..., None].expand(-1, -1, -1, values.shape[-1]))
-        self.meter.add(keys, values)  # the gathered copy lives until the new layout is stored
-        self._retire_view()
+        keys, values = self.read_keys(), self.read_values()  # this step's view (already read)
+        values_q = self._values_by_slot(self.used)
 
         def gather(src: torch.Tensor, fill) -> torch.Tensor:
             out = src.new_full((b, h, capacity), fill)
@@ -361,24 +398,45 @@ class QuantizedKVStorage(KVStorage):
         self.ragged = self.min_len != k or bool((new_len != k).any())
         self.holes = False
         self.padded = False
-        self._requantize(keys, values, capacity)
-        self.meter.remove(keys, values)
+        self._retire_view()  # the step's attention still holds it: metered until `settle`
 
-    def _requantize(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
-        """Lay out `keys`/`values` [B, H, used, D] (full precision) as quantized part + residual."""
         g, bits = self.fmt.group_size, self.fmt.kv_bits
         q_new = max(self.min_len - self.fmt.residual, 0) // g * g
         room = max(q_new, (capacity - self.fmt.residual) // g * g)
-        real = (self.token_index[:, :, :q_new] != EMPTY)[..., None]
-        kq = _grown(quantize(keys[:, :, :q_new], bits, g, 2, valid=real), q_new, room)
-        vq = _grown(quantize(values[:, :, :q_new], bits, g, 3), q_new, room)
-        n = self.used - q_new
-        k_res = keys.new_zeros(*keys.shape[:2], n + g, keys.shape[-1])
-        v_res = values.new_zeros(*values.shape[:2], n + g, values.shape[-1])
-        k_res[:, :, :n] = keys[:, :, q_new:]
-        v_res[:, :, :n] = values[:, :, q_new:]
+        kq = _grown(self._empty(keys, 2), 0, room)
+        vq = _grown(self._empty(values, 3), 0, room)
+        self.meter.add(*_parts(kq), *_parts(vq))  # the new storage is held from here on
+        _put(vq, _token_slots(values_q, safe[:, :, :q_new]), 0)
+        self.meter.remove(*_parts(values_q))
+        chunk = max(KEY_CHUNK // g, 1) * g
+        for lo in range(0, q_new, chunk):
+            hi = min(lo + chunk, q_new)
+            part = keys.gather(2, safe[:, :, lo:hi, None].expand(-1, -1, -1, keys.shape[-1]))
+            self.meter.add(part)
+            real = (index[:, :, lo:hi] != EMPTY)[..., None]
+            _put(kq, quantize(part, bits, g, 2, valid=real), lo)
+            self.meter.remove(part)
+        n = k - q_new
+        k_res = keys.new_zeros(b, h, self._residual_room(), keys.shape[-1])
+        v_res = values.new_zeros(b, h, k_res.shape[2], values.shape[-1])
+        self.meter.add(k_res, v_res)
+        tail = safe[:, :, q_new:, None]
+        k_res[:, :, :n] = keys.gather(2, tail.expand(-1, -1, -1, keys.shape[-1]))
+        v_res[:, :, :n] = values.gather(2, tail.expand(-1, -1, -1, values.shape[-1]))
         self.q_used = q_new
-        self._set(kq, vq, k_res, v_res)
+        self.meter.remove(*self._kv_tensors())
+        self.kq, self.vq, self.k_res, self.v_res = kq, vq, k_res, v_res
+        self._plan = None
+
+    def _values_by_slot(self, used: int) -> QuantizedTensor:
+        """Every slot's values [0, used) quantized per token: the stored codes of the quantized
+        part, then the residual's, quantized now (a token's values are one group, so this is
+        what `settle` would store). A copy, a few bytes a token; metered while it lives."""
+        vq = _head(self.vq, self.q_used)
+        res = quantize(self.v_res[:, :, : used - self.q_used], self.fmt.kv_bits, self.fmt.group_size, 3)
+        out = _cat_slots(vq, res)
+        self.meter.add(*_parts(out))
+        return out
 
     # ---------------------------------------------------------- bookkeeping
     def _set(
