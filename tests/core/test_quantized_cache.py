@@ -131,6 +131,8 @@ def test_a_bounded_cache_never_allocates_quantized_room_past_its_slots() -> None
                 room = s.kq.codes.shape[2]
                 assert room <= max(s.q_used, (s.capacity - residual) // g * g), (room, s.capacity)
                 peak_room = max(peak_room, room)
+                # The residual buffer: what the heads hold until the next group leaves, no more.
+                assert s.used - s.q_used <= s.k_res.shape[2] == residual + g + s.used - s.min_len
     assert peak_room == (48 - residual) // g * g  # it did grow to what the budget needs
 
 
