@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from reasonkv.core.quantize import KVFormat
@@ -92,6 +93,25 @@ def _point(row: dict) -> dict:
         "mean_kl": row["mean_kl"],
         "top1": row["top1"],
     }
+
+
+def evict_only_at(pts: list[dict], mib: float) -> dict | None:
+    """The best evict-only (16-bit) point at `mib`: per method, KL interpolated log-log and
+    top-1 linearly in log memory between its two nearest budgets (past its last two:
+    extrapolated, and said so); the method with the lowest KL wins."""
+    best = None
+    for fam in {p["family"] for p in pts if p["family"].endswith("(16-bit)")}:
+        mine = sorted((p for p in pts if p["family"] == fam), key=lambda p: p["peak_16bit_mib"])
+        if len(mine) < 2 or mib < mine[0]["peak_16bit_mib"]:
+            continue
+        i = next((i for i in range(len(mine) - 1) if mib <= mine[i + 1]["peak_16bit_mib"]), len(mine) - 2)
+        a, b = mine[i], mine[i + 1]
+        t = math.log(mib / a["peak_16bit_mib"]) / math.log(b["peak_16bit_mib"] / a["peak_16bit_mib"])
+        kl = math.exp(math.log(a["mean_kl"]) + t * (math.log(b["mean_kl"]) - math.log(a["mean_kl"])))
+        top1 = a["top1"] + t * (b["top1"] - a["top1"])
+        if best is None or kl < best["mean_kl"]:
+            best = {"method": fam.split(" ")[0], "mean_kl": kl, "top1": top1, "extrapolated": t > 1}
+    return best
 
 
 def goal_bytes(peaks: dict[tuple[str, int], float]) -> float | None:
@@ -189,10 +209,19 @@ def main() -> None:
     peaks = alone_peaks_16bit(args.alone_peaks)
     pts = points(args.evict, peaks, args.low_bit, args.methods.split(","))
     for pt in sorted(pts, key=lambda q: (q["family"], q["peak_16bit_mib"])):
-        print(
+        line = (
             f"{pt['family']:<46} {pt['label']:<40} {pt['budget']!s:>5} {pt['peak_16bit_mib']:6.2f} MiB "
             f"KL {pt['mean_kl']:.4f} top-1 {pt['top1']:.3f} ({pt['traces']} traces)"
         )
+        ref = None if pt["family"].endswith("(16-bit)") else evict_only_at(pts, pt["peak_16bit_mib"])
+        if ref is not None:
+            pt["evict_only_there"] = ref
+            line += (
+                f"; best evict-only there{' (extrapolated)' if ref['extrapolated'] else ''}: "
+                f"{ref['method']} {ref['mean_kl']:.4f} / {ref['top1']:.3f}, "
+                f"KL {100 * (pt['mean_kl'] / ref['mean_kl'] - 1):+.0f} %"
+            )
+        print(line)
     print("plot ->", plot(pts, args.out, goal_bytes(peaks)))
     if args.json:
         args.json.write_text(json.dumps(pts, indent=1) + "\n")
