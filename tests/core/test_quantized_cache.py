@@ -209,7 +209,8 @@ def test_the_baselines_never_evict_and_store_every_token_at_their_bits() -> None
 def test_a_quantized_compaction_peaks_at_old_storage_view_and_new_storage_with_no_full_copy() -> None:
     """Compaction holds, at once: the old storage, the dequantized view this step read (its
     attention still holds it) and the new storage; the kept tokens are never copied whole in
-    full precision (values move as codes, keys a chunk of groups at a time), and the new
+    full precision (values move as codes, keys a chunk of groups at a time; here both
+    temporaries are smaller than the new residual, allocated after them), and the new
     residual is `residual + group_size` slots."""
     meter = MemoryMeter()
     s = QuantizedKVStorage(

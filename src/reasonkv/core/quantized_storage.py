@@ -16,14 +16,15 @@ to the end of the layer's step, and counted in the peak of the memory meter.
 
 The residual holds `residual + group_size` slots (more only while heads are ragged): decoding
 adds one token a step and `settle` moves a group out as soon as the shortest head has
-`residual + group_size`, so every byte allocated there is used at some step.
+`residual + group_size`, so every slot is written by then (unless a compaction comes first).
 
 Holes and padding only change `token_index`, so they need nothing here. A compaction keeps
 what it can in codes: values (one token, one group) are gathered as they are stored, codes,
 scale and zero; keys, whose groups run over tokens, are gathered from the step's view a few
 groups at a time and quantized over their new groups, which costs at most half a new group's
-scale per compaction a token survives. No full-precision copy of the kept tokens is made, so
-a compaction's peak is the old storage, the step's view and the new storage.
+scale per compaction a token survives. No full-precision copy of the kept tokens is made: a
+compaction holds the old storage, the step's view and the new storage, and on top of the new
+quantized part either a copy of the layer's value codes or one chunk of keys in full precision.
 """
 
 from __future__ import annotations
