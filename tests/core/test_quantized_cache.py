@@ -78,7 +78,14 @@ def test_lower_bits_cost_more_error_than_higher_bits() -> None:
     assert errs[0] < errs[1] < errs[2]
 
 
-@pytest.mark.parametrize("method,knobs", [("quant-int8", {}), ("snapkv", {"interval": 8, "kv_bits": 8})])
+@pytest.mark.parametrize(
+    "method,knobs",
+    [
+        ("quant-int8", {}),
+        ("snapkv", {"interval": 8, "kv_bits": 8}),
+        ("snapkv", {"interval": 8, "kv_bits": 8, "fp_sinks": 2}),  # the padded row's sinks move
+    ],
+)
 def test_rows_alone_match_the_left_padded_batch(method, knobs) -> None:
     """Bit for bit for the unpadded row and the prefill (which attends in full precision); close
     for the padded row, whose slots (padding included) group and flush differently."""
@@ -182,6 +189,8 @@ def test_the_dequantized_read_is_what_is_stored() -> None:
         ({"kv_bits": 4, "group_size": 12}, "power of two"),
         ({"kv_bits": 4, "group_size": 0}, "group_size"),
         ({"kv_bits": 4, "residual": -1}, "residual"),
+        ({"kv_bits": 4, "fp_sinks": -1}, "fp_sinks"),
+        ({"kv_bits": 4, "fp_sinks": 65}, "fp_sinks"),
     ],
 )
 def test_bad_storage_knobs_are_one_clear_error_before_the_model_loads(knobs, match) -> None:
@@ -267,3 +276,58 @@ def test_a_quantized_compaction_moves_values_as_codes_and_requantizes_keys_withi
     assert torch.equal(got_k[:, :, 8:], want_k[:, :, 8:])
     bound = s.kq.scale[:, :, :1].repeat_interleave(8, 2) / 2 * (1 + 1e-5)
     assert bool(((got_k[:, :, :8] - want_k[:, :, :8]).abs() <= bound).all())
+
+
+def _sink_storage(fp_sinks: int, pad: int = 0) -> tuple[QuantizedKVStorage, torch.Tensor, torch.Tensor]:
+    """A layer of 2 heads holding 40 tokens (the first `pad` of them padding) whose first real
+    token's keys are outliers (x50), settled at 4 bits, group 8, no residual."""
+    fmt = KVFormat(kv_bits=4, group_size=8, residual=0, fp_sinks=fp_sinks)
+    s = QuantizedKVStorage(1, 2, torch.device("cpu"), fmt, meter=MemoryMeter())
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, 2, 40, HEAD_DIM, generator=gen), torch.randn(1, 2, 40, HEAD_DIM, generator=gen)
+    k[:, :, pad] *= 50
+    s.ensure_capacity(40, 48, k, v)
+    s.append(k, v, 0)
+    if pad:
+        s.mark_padding(torch.arange(40)[None] >= pad, 0)
+    s.settle()
+    return s, k, v
+
+
+def test_sinks_in_full_precision_are_read_exactly_and_leave_their_key_group_alone() -> None:
+    plain, k, v = _sink_storage(0)
+    sinks, _, _ = _sink_storage(1)
+    assert plain.q_used == sinks.q_used == 40
+    assert torch.equal(sinks.read_keys()[:, :, 0], k[:, :, 0])
+    assert torch.equal(sinks.read_values()[:, :, 0], v[:, :, 0])
+    assert not torch.equal(plain.read_keys()[:, :, 0], k[:, :, 0])
+    # The sink's outlier keys set group 0's range without fp_sinks: its other 7 tokens lose
+    # several times more than with the sink left out of the range.
+    err_plain = (plain.read_keys()[:, :, 1:8] - k[:, :, 1:8]).abs().max()
+    err_sinks = (sinks.read_keys()[:, :, 1:8] - k[:, :, 1:8]).abs().max()
+    assert err_sinks * 5 < err_plain
+    bound = sinks.kq.scale[:, :, :1] / 2 * (1 + 1e-5)
+    assert bool(((sinks.read_keys()[:, :, 1:8] - k[:, :, 1:8]).abs() <= bound).all())
+    # Its bytes: one token's K and V per head in fp32, beside its codes, in kv_bytes and the meter.
+    assert sinks.kv_bytes() - plain.kv_bytes() == 2 * 2 * HEAD_DIM * 4
+    sinks._drop_view()
+    assert sinks.meter.current == sinks.kv_bytes()
+
+
+def test_sinks_survive_padding_compaction_and_row_selection() -> None:
+    s, k, v = _sink_storage(2, pad=3)  # the sinks are tokens 3 and 4, behind 3 padding slots
+    assert torch.equal(s.read_keys()[:, :, 3:5], k[:, :, 3:5])
+    assert torch.equal(s.read_values()[:, :, 3:5], v[:, :, 3:5])
+    kept = torch.tensor([[[3, 4, 9, 17, 20, 25, 33, 39]]]).expand(1, 2, -1)
+    s.compact(kept, torch.full((1, 2), 8), 8)
+    s.settle()
+    assert s.q_used == 8  # everything kept is quantized again; the sinks now hold slots 0 and 1
+    assert torch.equal(s.read_keys()[:, :, :2], k[:, :, 3:5])
+    assert torch.equal(s.read_values()[:, :, :2], v[:, :, 3:5])
+    s.compact(torch.tensor([[[1, 2, 3, 4, 5, 6, 7, 8]]]).expand(1, 2, -1), torch.full((1, 2), 7), 8)
+    assert torch.equal(s.read_keys()[:, :, 0], k[:, :, 4])  # the first sink is gone, not the second
+    s.select_rows(torch.tensor([0]))
+    s.settle()
+    assert torch.equal(s.read_keys()[:, :, 0], k[:, :, 4])
+    s.release()
+    assert s.meter.current == 0

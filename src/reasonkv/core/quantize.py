@@ -215,6 +215,12 @@ class KVFormat:
     to the quantized part a group at a time. The residual is 32, not KIVI's 128: eviction
     budgets here are 64-512 tokens, and 128 would keep a budget-128 cache unquantized.
 
+    fp_sinks > 0 keeps the first `fp_sinks` real tokens (the attention sinks) in full precision
+    beside their codes, and leaves them out of their key group's range: a sink's keys are
+    outliers that would widen the scale of every token in its group, and most heads attend
+    to it heavily (IntactKV, Liu et al. 2024, arXiv:2403.01241, keeps such pivot tokens
+    lossless). 0 (the default) quantizes them like any token.
+
     low_budget > 0 adds a low tier (core/low_tier.py): the tokens eviction drops go there,
     `low_budget` per KV head, each token's keys and values at `low_bits` over groups of
     `low_group_size` channels (None: group_size), and leave the cache only when the tier
@@ -224,6 +230,7 @@ class KVFormat:
     kv_bits: Literal[16, 8, 4, 2] = 16
     group_size: int = knob(16, ge=1, le=1024)
     residual: int = tokens(32, minimum=0)
+    fp_sinks: int = knob(0, ge=0, le=64)
     low_budget: int = tokens(0, minimum=0)
     low_bits: Literal[8, 4, 2] = 4
     low_group_size: int | None = knob(None, ge=1, le=1024)

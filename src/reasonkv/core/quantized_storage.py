@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from reasonkv.core.memory_meter import MemoryMeter
+from reasonkv.core.memory_meter import MemoryMeter, tensor_bytes, tensor_bytes_16bit
 from reasonkv.core.policy.base import EMPTY
 from reasonkv.core.quantize import (
     KVFormat,
@@ -44,6 +44,7 @@ from reasonkv.core.quantize import (
     unpack_wide_,
     unpack_wide_dtype,
 )
+from reasonkv.core.sinks import FullPrecisionSinks
 from reasonkv.core.storage import KVStorage
 
 KEY_CHUNK = 128
@@ -177,6 +178,7 @@ class QuantizedKVStorage(KVStorage):
         self._stale: tuple[torch.Tensor, torch.Tensor] | None = None  # a retired view, still held
         self._index_cap = 0
         self._plan: _ReadPlan | None = None  # views for reads, made once per layout (`_dequantize`)
+        self.sinks: FullPrecisionSinks | None = None  # fp_sinks > 0, from the first quantization
         super().__init__(batch, heads, device, state_names, meter)
 
     # K/V are not held as such: `keys` and `values` read (dequantize) them.
@@ -204,6 +206,8 @@ class QuantizedKVStorage(KVStorage):
                 self._view = (k_res, v_res)
             else:
                 keys, values = self._dequantize(k_res, v_res)
+                if self.sinks is not None:
+                    self.sinks.restore(keys, values, self.token_index[:, :, : self.used])
                 self._view = (keys, values)
                 self._view_owned = True
                 self.meter.add(keys, values)
@@ -244,6 +248,14 @@ class QuantizedKVStorage(KVStorage):
         torch.cat([k_res, v_res], out=out[:, :, q:])
         return out[:b], out[b:]
 
+    def _key_range_slots(self, index: torch.Tensor) -> torch.Tensor:
+        """[B, H, n, 1] True for slots (sequence indices `index` [B, H, n]) that a key group's
+        range is taken over: real tokens, sinks kept in full precision left out."""
+        real = index != EMPTY
+        if self.sinks is not None:
+            real &= ~self.sinks.holds(index)
+        return real[..., None]
+
     def read_keys(self) -> torch.Tensor:
         return self._read()[0]
 
@@ -280,7 +292,8 @@ class QuantizedKVStorage(KVStorage):
             self.k_res.shape[-1] * self.k_res.element_size()
             + self.v_res.shape[-1] * self.v_res.element_size()
         )
-        return quantized * self.token_bytes() + (float(self.n_valid.sum()) - quantized) * full
+        sinks = sum(map(tensor_bytes, self._sink_tensors()))  # beside their codes
+        return quantized * self.token_bytes() + (float(self.n_valid.sum()) - quantized) * full + sinks
 
     # ------------------------------------------------------------- writing
     def ensure_capacity(self, needed: int, capacity: int, like: torch.Tensor, v_like: torch.Tensor) -> None:
@@ -345,7 +358,11 @@ class QuantizedKVStorage(KVStorage):
         m = (self.min_len - self.q_used - self.fmt.residual) // g * g
         if m <= 0:
             return
-        real = (self.token_index[:, :, self.q_used : self.q_used + m] != EMPTY)[..., None]
+        if self.fmt.fp_sinks and self.sinks is None:
+            index = self.token_index[:, :, : self.used]
+            self.sinks = FullPrecisionSinks(self.fmt.fp_sinks, index, self.k_res, self.v_res, self.q_used)
+            self.meter.add(*self.sinks.tensors())
+        real = self._key_range_slots(self.token_index[:, :, self.q_used : self.q_used + m])
         k_new = quantize(self.k_res[:, :, :m], self.fmt.kv_bits, g, 2, valid=real)
         v_new = quantize(self.v_res[:, :, :m], self.fmt.kv_bits, g, 3)
         kq, vq = self.kq, self.vq
@@ -414,7 +431,7 @@ class QuantizedKVStorage(KVStorage):
             hi = min(lo + chunk, q_new)
             part = keys.gather(2, safe[:, :, lo:hi, None].expand(-1, -1, -1, keys.shape[-1]))
             self.meter.add(part)
-            real = (index[:, :, lo:hi] != EMPTY)[..., None]
+            real = self._key_range_slots(index[:, :, lo:hi])
             _put(kq, quantize(part, bits, g, 2, valid=real), lo)
             self.meter.remove(part)
         n = k - q_new
@@ -428,6 +445,8 @@ class QuantizedKVStorage(KVStorage):
         self.meter.remove(*self._kv_tensors())
         self.kq, self.vq, self.k_res, self.v_res = kq, vq, k_res, v_res
         self._plan = None
+        if self.sinks is not None:
+            self.sinks.moved()
 
     def _values_by_slot(self, used: int) -> QuantizedTensor:
         """Every slot's values [0, used) quantized per token: the stored codes of the quantized
@@ -466,6 +485,10 @@ class QuantizedKVStorage(KVStorage):
         ]
 
     def select_rows(self, rows: torch.Tensor) -> None:
+        if self.sinks is not None:
+            self.meter.remove(*self.sinks.tensors())
+            self.sinks = self.sinks.select_rows(rows)
+            self.meter.add(*self.sinks.tensors())
         if self.k_res is not None:
             self._drop_view()
             idx = rows.to(self.k_res.device)
@@ -481,13 +504,25 @@ class QuantizedKVStorage(KVStorage):
                 setattr(self, name, t.index_select(0, rows.to(t.device)))
         self.token_state = {n: t.index_select(0, rows.to(t.device)) for n, t in self.token_state.items()}
 
+    def _sink_tensors(self) -> list[torch.Tensor]:
+        return [] if self.sinks is None else self.sinks.tensors()
+
+    def kv_bytes(self) -> int:
+        return super().kv_bytes() + sum(map(tensor_bytes, self._sink_tensors()))
+
+    def kv_bytes_16bit(self) -> int:
+        return super().kv_bytes_16bit() + sum(map(tensor_bytes_16bit, self._sink_tensors()))
+
     def tensors(self) -> list[torch.Tensor]:
-        ts = [*self._kv_tensors(), self.token_index, *self.token_state.values()]
+        ts = [*self._kv_tensors(), *self._sink_tensors(), self.token_index, *self.token_state.values()]
         return [t for t in ts if t is not None]
 
     def release(self) -> None:
         self._drop_view()
         self.meter.remove(*self._kv_tensors())
+        if self.sinks is not None:
+            self.meter.remove(*self.sinks.tensors())
+        self.sinks = None
         self.kq = self.vq = self.k_res = self.v_res = None
         self._plan = None
         self.token_index = None

@@ -1,0 +1,80 @@
+"""The attention sinks of a quantized cache, kept in full precision (KVFormat.fp_sinks).
+
+The first real tokens of a sequence draw much of every head's attention, and their keys are
+outliers: quantized with the tokens of their key group (keys are grouped per channel over
+tokens), they widen that group's scale for all of them. So a quantized storage captures the
+first `n` real tokens of each head in full precision before it quantizes anything, leaves them
+out of their key group's range (their codes are clamped into it, never read), and writes
+their exact keys and values over their rows of every dequantized view.
+
+Sinks are found by sequence index, so they survive holes, padding and compaction; a compaction
+keeps slots in order, so in the usual layout they hold the first `n` slots and the view is
+patched with one copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reasonkv.core.policy.base import EMPTY
+
+
+class FullPrecisionSinks:
+    def __init__(
+        self, n: int, token_index: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, q_used: int
+    ):
+        """Capture the first `n` real tokens of each head from `token_index` [B, H, used]; they
+        must still be in the residual (slots from `q_used`, `k_res`/`v_res` [B, H, r, D])."""
+        used = token_index.shape[-1]
+        real = token_index != EMPTY
+        rank = real.long().cumsum(-1)
+        slot = torch.full((*token_index.shape[:2], n), used, dtype=torch.long, device=token_index.device)
+        for j in range(n):  # the slot of each head's (j+1)-th real token, `used` if it has none
+            hit = real & (rank == j + 1)
+            slot[..., j] = torch.where(hit.any(-1), hit.float().argmax(-1), used)
+        if bool((slot < q_used).any()):
+            raise RuntimeError("the sinks must be captured before any of them is quantized")
+        present = slot < used
+        safe = slot.clamp(max=used - 1)
+        self.index = torch.where(present, token_index.gather(2, safe), -1)  # [B, H, n], -1: none
+        rel = (safe - q_used)[..., None]
+        self.keys = k_res.gather(2, rel.expand(-1, -1, -1, k_res.shape[-1]))
+        self.values = v_res.gather(2, rel.expand(-1, -1, -1, v_res.shape[-1]))
+        self._in_front: bool | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What they hold (for the memory meter): their keys and values."""
+        return [self.keys, self.values]
+
+    def holds(self, index: torch.Tensor) -> torch.Tensor:
+        """[B, H, m] True where sequence indices `index` [B, H, m] are sinks."""
+        return (index[..., None] == self.index[:, :, None, :]).any(-1) & (index != EMPTY)
+
+    def moved(self) -> None:
+        """The storage's slots changed (a compaction): find the sinks again at the next read."""
+        self._in_front = None
+
+    def restore(self, keys: torch.Tensor, values: torch.Tensor, token_index: torch.Tensor) -> None:
+        """Write the sinks' keys and values over their rows of a view [B, H, used, D]."""
+        n = self.index.shape[-1]
+        if self._in_front is None:
+            used = token_index.shape[-1]
+            self._in_front = used >= n and bool((token_index[:, :, :n] == self.index).all())
+        if self._in_front:  # the usual layout: the first n slots, in order
+            keys[:, :, :n] = self.keys
+            values[:, :, :n] = self.values
+            return
+        match = (token_index[..., None] == self.index[:, :, None, :]) & (token_index != EMPTY)[..., None]
+        found = match.any(-1, keepdim=True)  # [B, H, used, 1]: the slot holds a sink
+        which = match.float().argmax(-1, keepdim=True)  # and which one
+        for view, exact in ((keys, self.keys), (values, self.values)):
+            view.copy_(torch.where(found, exact.gather(2, which.expand(-1, -1, -1, exact.shape[-1])), view))
+
+    def select_rows(self, rows: torch.Tensor) -> FullPrecisionSinks:
+        """The same sinks for batch rows `rows` (beam search reorders, a finished row leaves)."""
+        out = object.__new__(FullPrecisionSinks)
+        idx = rows.to(self.index.device)
+        out.index = self.index.index_select(0, idx)
+        out.keys, out.values = self.keys.index_select(0, idx), self.values.index_select(0, idx)
+        out._in_front = None
+        return out
