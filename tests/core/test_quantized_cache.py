@@ -191,6 +191,7 @@ def test_the_dequantized_read_is_what_is_stored() -> None:
         ({"kv_bits": 4, "residual": -1}, "residual"),
         ({"kv_bits": 4, "fp_sinks": -1}, "fp_sinks"),
         ({"kv_bits": 4, "fp_sinks": 65}, "fp_sinks"),
+        ({"fp_sinks": 1}, "fp_sinks"),  # nothing quantized: nothing to keep exact
     ],
 )
 def test_bad_storage_knobs_are_one_clear_error_before_the_model_loads(knobs, match) -> None:
@@ -331,3 +332,27 @@ def test_sinks_survive_padding_compaction_and_row_selection() -> None:
     assert torch.equal(s.read_keys()[:, :, 0], k[:, :, 4])
     s.release()
     assert s.meter.current == 0
+
+
+@pytest.mark.parametrize("method,knobs", [("snapkv", {"interval": 32}), ("h2o", {}), ("beaconkv", {})])
+def test_sinks_are_kept_when_a_prompt_longer_than_the_budget_is_compacted_before_any_settle(
+    method, knobs
+) -> None:
+    """The prefill's compaction quantizes before the first settle: the sinks are captured there."""
+    model = tiny_model("llama")
+    ids = random_prompt(60, 3)
+    cache = make_cache(model, method, budget=24, kv_bits=4, group_size=8, residual=0, fp_sinks=1, **knobs)
+    with torch.no_grad():
+        out = model(input_ids=ids, cache=cache, use_cache=True)
+        exact = {i: layer.storage.sinks for i, layer in enumerate(cache.layers)}
+        assert all(s is not None and bool((s.index == 0).all()) for s in exact.values())
+        for i in range(30):
+            out = model(input_ids=random_prompt(1, 10 + i), cache=cache, use_cache=True)
+    assert torch.isfinite(out.logits).all()
+    for layer in cache.layers:
+        s = layer.storage
+        assert s.q_used > 0 and s.sinks is not None
+        keys = s.read_keys()
+        at = s.token_index[:, :, : s.used] == 0  # the sink, if this head still holds it
+        b, h, slot = at.nonzero(as_tuple=True)
+        assert torch.equal(keys[b, h, slot], s.sinks.keys[b, h, 0])

@@ -242,6 +242,11 @@ class KVFormat:
             raise ValueError(
                 f"group_size must be a power of two (it divides the head dim), got {self.group_size}"
             )
+        if self.fp_sinks and not self.quantized:
+            raise ValueError(
+                f"fp_sinks={self.fp_sinks} keeps sinks of a quantized cache in full precision: "
+                "it needs kv_bits 8, 4 or 2"
+            )
         if self.residual > MAX_TOKENS:
             raise ValueError(f"residual must be at most 10^9 tokens, got {self.residual}")
         check_bits(self.low_bits)

@@ -248,6 +248,14 @@ class QuantizedKVStorage(KVStorage):
         torch.cat([k_res, v_res], out=out[:, :, q:])
         return out[:b], out[b:]
 
+    def _capture_sinks(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Before the first token is quantized (by `settle` or by a compaction): keep the
+        sinks from the full-precision `keys`/`values` of slots [0, used)."""
+        assert self.q_used == 0, "the sinks must be captured before anything is quantized"
+        index = self.token_index[:, :, : self.used]
+        self.sinks = FullPrecisionSinks(self.fmt.fp_sinks, index, keys, values)
+        self.meter.add(*self.sinks.tensors())
+
     def _key_range_slots(self, index: torch.Tensor) -> torch.Tensor:
         """[B, H, n, 1] True for slots (sequence indices `index` [B, H, n]) that a key group's
         range is taken over: real tokens, sinks kept in full precision left out."""
@@ -358,10 +366,8 @@ class QuantizedKVStorage(KVStorage):
         m = (self.min_len - self.q_used - self.fmt.residual) // g * g
         if m <= 0:
             return
-        if self.fmt.fp_sinks and self.sinks is None:
-            index = self.token_index[:, :, : self.used]
-            self.sinks = FullPrecisionSinks(self.fmt.fp_sinks, index, self.k_res, self.v_res, self.q_used)
-            self.meter.add(*self.sinks.tensors())
+        if self.fmt.fp_sinks and self.sinks is None:  # nothing is quantized yet: all in the residual
+            self._capture_sinks(self.k_res, self.v_res)
         real = self._key_range_slots(self.token_index[:, :, self.q_used : self.q_used + m])
         k_new = quantize(self.k_res[:, :, :m], self.fmt.kv_bits, g, 2, valid=real)
         v_new = quantize(self.v_res[:, :, :m], self.fmt.kv_bits, g, 3)
@@ -397,6 +403,8 @@ class QuantizedKVStorage(KVStorage):
         safe = slots.clamp(max=max(self.used - 1, 0))
         present = slots < self.used
         keys, values = self.read_keys(), self.read_values()  # this step's view (already read)
+        if self.fmt.fp_sinks and self.sinks is None and self.used:  # it may quantize first
+            self._capture_sinks(keys, values)
         values_q = self._values_by_slot(self.used)
 
         def gather(src: torch.Tensor, fill) -> torch.Tensor:

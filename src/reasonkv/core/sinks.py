@@ -20,11 +20,10 @@ from reasonkv.core.policy.base import EMPTY
 
 
 class FullPrecisionSinks:
-    def __init__(
-        self, n: int, token_index: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, q_used: int
-    ):
-        """Capture the first `n` real tokens of each head from `token_index` [B, H, used]; they
-        must still be in the residual (slots from `q_used`, `k_res`/`v_res` [B, H, r, D])."""
+    def __init__(self, n: int, token_index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        """Capture the first `n` real tokens of each head from `token_index` [B, H, used] and
+        the full-precision `keys`/`values` [B, H, >= used, D] of the same slots (before
+        anything is quantized)."""
         used = token_index.shape[-1]
         real = token_index != EMPTY
         rank = real.long().cumsum(-1)
@@ -32,14 +31,11 @@ class FullPrecisionSinks:
         for j in range(n):  # the slot of each head's (j+1)-th real token, `used` if it has none
             hit = real & (rank == j + 1)
             slot[..., j] = torch.where(hit.any(-1), hit.float().argmax(-1), used)
-        if bool((slot < q_used).any()):
-            raise RuntimeError("the sinks must be captured before any of them is quantized")
         present = slot < used
         safe = slot.clamp(max=used - 1)
         self.index = torch.where(present, token_index.gather(2, safe), -1)  # [B, H, n], -1: none
-        rel = (safe - q_used)[..., None]
-        self.keys = k_res.gather(2, rel.expand(-1, -1, -1, k_res.shape[-1]))
-        self.values = v_res.gather(2, rel.expand(-1, -1, -1, v_res.shape[-1]))
+        self.keys = keys.gather(2, safe[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        self.values = values.gather(2, safe[..., None].expand(-1, -1, -1, values.shape[-1]))
         self._in_front: bool | None = None
 
     def tensors(self) -> list[torch.Tensor]:
@@ -64,11 +60,11 @@ class FullPrecisionSinks:
             keys[:, :, :n] = self.keys
             values[:, :, :n] = self.values
             return
-        match = (token_index[..., None] == self.index[:, :, None, :]) & (token_index != EMPTY)[..., None]
-        found = match.any(-1, keepdim=True)  # [B, H, used, 1]: the slot holds a sink
-        which = match.float().argmax(-1, keepdim=True)  # and which one
-        for view, exact in ((keys, self.keys), (values, self.values)):
-            view.copy_(torch.where(found, exact.gather(2, which.expand(-1, -1, -1, exact.shape[-1])), view))
+        for j in range(n):  # each sink where it is now, if it is still held: a row per head
+            at = (token_index == self.index[:, :, j, None]) & (token_index != EMPTY)
+            b, h, slot = at.nonzero(as_tuple=True)
+            keys[b, h, slot] = self.keys[b, h, j]
+            values[b, h, slot] = self.values[b, h, j]
 
     def select_rows(self, rows: torch.Tensor) -> FullPrecisionSinks:
         """The same sinks for batch rows `rows` (beam search reorders, a finished row leaves)."""
