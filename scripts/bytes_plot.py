@@ -124,10 +124,16 @@ def plot(pts: list[dict], out: Path, goal_mib: float | None = None) -> Path:
     plt = pyplot()
     fig, (ax_kl, ax_top1) = plt.subplots(1, 2, figsize=(12, 4.8))
     families = list(dict.fromkeys(p["family"] for p in pts))
-    for fam in families:
+    colors = plt.get_cmap("tab20").colors  # more curves than the default cycle's 10 colours
+    for i, fam in enumerate(families):
         mine = sorted((p for p in pts if p["family"] == fam), key=lambda p: p["peak_16bit_mib"])
         x = [p["peak_16bit_mib"] for p in mine]
-        style = {"marker": "o", "linestyle": "-" if len(mine) > 1 else "none", "label": fam}
+        style = {
+            "marker": "os^Dv"[i % 5],
+            "color": colors[(2 * i) % 20 + (2 * i) // 20 % 2],
+            "linestyle": "-" if len(mine) > 1 else "none",
+            "label": fam,
+        }
         ax_kl.plot(x, [p["mean_kl"] for p in mine], **style)
         ax_top1.plot(x, [p["top1"] for p in mine], **style)
     if goal_mib is not None:  # the goal: KL <= 0.07 and top-1 >= 0.94 at SnapKV@128's memory
