@@ -450,9 +450,7 @@ class QuantizedKVStorage(KVStorage):
         k_res[:, :, :n] = keys.gather(2, tail.expand(-1, -1, -1, keys.shape[-1]))
         v_res[:, :, :n] = values.gather(2, tail.expand(-1, -1, -1, values.shape[-1]))
         self.q_used = q_new
-        self.meter.remove(*self._kv_tensors())
-        self.kq, self.vq, self.k_res, self.v_res = kq, vq, k_res, v_res
-        self._plan = None
+        self._set(kq, vq, k_res, v_res, metered=True)
         if self.sinks is not None:
             self.sinks.moved()
 
@@ -468,13 +466,20 @@ class QuantizedKVStorage(KVStorage):
 
     # ---------------------------------------------------------- bookkeeping
     def _set(
-        self, kq: QuantizedTensor, vq: QuantizedTensor, k_res: torch.Tensor, v_res: torch.Tensor
+        self,
+        kq: QuantizedTensor,
+        vq: QuantizedTensor,
+        k_res: torch.Tensor,
+        v_res: torch.Tensor,
+        metered: bool = False,
     ) -> None:
-        """Swap in new K/V tensors; the meter sees the new ones before the old ones go."""
+        """Swap in new K/V tensors; the meter sees the new ones before the old ones go
+        (`metered`: the caller counted them as it built them)."""
         new = [kq.codes, kq.scale, kq.zero, vq.codes, vq.scale, vq.zero, k_res, v_res]
         held = self._kv_tensors()
         self._plan = None
-        self.meter.add(*[t for t in new if not any(t is x for x in held)])
+        if not metered:
+            self.meter.add(*[t for t in new if not any(t is x for x in held)])
         self.meter.remove(*[t for t in held if not any(t is x for x in new)])
         self.kq, self.vq, self.k_res, self.v_res = kq, vq, k_res, v_res
 
