@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from reasonkv.core.policy.base import EMPTY
+from reasonkv.core.policy.selection import protected_mask
 
 
 class FullPrecisionSinks:
@@ -25,12 +26,11 @@ class FullPrecisionSinks:
         the full-precision `keys`/`values` [B, H, >= used, D] of the same slots (before
         anything is quantized)."""
         used = token_index.shape[-1]
-        real = token_index != EMPTY
-        rank = real.long().cumsum(-1)
+        first = protected_mask(token_index, n, 0)  # the eviction policies' sinks: same tokens
+        k = min(n, used)
+        order = torch.sort((~first).to(torch.uint8), dim=-1, stable=True).indices[..., :k]
         slot = torch.full((*token_index.shape[:2], n), used, dtype=torch.long, device=token_index.device)
-        for j in range(n):  # the slot of each head's (j+1)-th real token, `used` if it has none
-            hit = real & (rank == j + 1)
-            slot[..., j] = torch.where(hit.any(-1), hit.float().argmax(-1), used)
+        slot[..., :k] = torch.where(first.gather(2, order), order, used)  # `used`: fewer real tokens
         present = slot < used
         safe = slot.clamp(max=used - 1)
         self.index = torch.where(present, token_index.gather(2, safe), -1)  # [B, H, n], -1: none
