@@ -182,10 +182,25 @@ def test_the_dequantized_read_is_what_is_stored() -> None:
     assert torch.equal(keys[:, :, n:], s.k_res[:, :, : s.used - n])
 
 
+def test_a_value_group_of_its_own_sets_the_values_scales_and_bytes() -> None:
+    _, cache = _run("quant-int4", value_group_size=HEAD_DIM, **SMALL)
+    _, same = _run("quant-int4", **SMALL)
+    s, t = cache.layers[1].storage, same.layers[1].storage
+    b, h, q_cap = s.vq.codes.shape[:3]
+    assert s.vq.scale.shape == (b, h, q_cap, 1) and t.vq.scale.shape == (b, h, q_cap, HEAD_DIM // 8)
+    assert s.kq.scale.shape == t.kq.scale.shape and q_cap == t.vq.codes.shape[2]  # keys as before
+    assert t.kv_bytes() - s.kv_bytes() == 2 * 4 * b * h * q_cap * (HEAD_DIM // 8 - 1)  # fp32 scale + zero
+    n = s.q_used
+    stored = type(s.vq)(s.vq.codes[:, :, :n], s.vq.scale[:, :, :n], s.vq.zero[:, :, :n], 4, HEAD_DIM, 3)
+    assert torch.equal(s.read_values()[:, :, :n], dequantize(stored))
+
+
 @pytest.mark.parametrize(
     "knobs,match",
     [
         ({"kv_bits": 3}, "kv_bits"),
+        ({"kv_bits": 4, "value_group_size": 12}, "power of two"),
+        ({"kv_bits": 4, "value_group_size": 2048}, "value_group_size"),
         ({"kv_bits": 4, "group_size": 12}, "power of two"),
         ({"kv_bits": 4, "group_size": 0}, "group_size"),
         ({"kv_bits": 4, "residual": -1}, "residual"),
@@ -205,6 +220,9 @@ def test_a_group_size_that_does_not_divide_the_head_dim_is_refused_by_make_cache
     model = tiny_model("llama")
     with pytest.raises(KnobError, match="divide the model's head dim"):
         make_cache(model, "quant-int4", group_size=32)  # HEAD_DIM is 16
+    with pytest.raises(KnobError, match="value_group_size 32 must divide"):
+        make_cache(model, "quant-int4", value_group_size=32)
+    make_cache(model, "quant-int4", group_size=32, value_group_size=16)  # keys' groups run over tokens
 
 
 def test_the_baselines_never_evict_and_store_every_token_at_their_bits() -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from reasonkv.core.kv_basis import QuantizationBasis
 from reasonkv.core.low_tier import LowTier, evicted
 from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.base import EMPTY, Observation
@@ -167,7 +168,8 @@ class CompressedLayer(CacheLayerMixin):
         self.device, self.dtype = key_states.device, key_states.dtype
         names, fmt = tuple(self.policy.scorer.state_names), self.policy.kv_format
         if fmt is not None and fmt.quantized:
-            self.storage = QuantizedKVStorage(b, h, self.device, fmt, names, self.meter)
+            basis = QuantizationBasis(fmt, self.policy.rope_inv_freq, self.policy.rope_attention_scaling)
+            self.storage = QuantizedKVStorage(b, h, self.device, fmt, names, self.meter, basis)
         else:
             self.storage = KVStorage(b, h, self.device, names, self.meter)
         if fmt is not None and fmt.low_budget:
@@ -285,6 +287,7 @@ class CompressedLayer(CacheLayerMixin):
         self.pending = False
         policy, storage = self.policy, self.storage
         index, positions = self.window.label(query, self.new_start, self._new_valid, positions)
+        storage.record_positions(positions, self.new_start)
         if not self._states_made:
             self.n_query_heads = query.shape[1]
             self._new_states()

@@ -13,6 +13,7 @@ their own scale) and values per token (groups run along the channel axis).
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Literal
@@ -204,13 +205,30 @@ def scale_channel_groups_(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
         torch.addcmul(zero.expand_as(x).contiguous(), x, scale.expand_as(x).contiguous(), out=x)
 
 
+@functools.cache
+def _hadamard(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:  # Sylvester: [[H, H], [H, -H]]
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / n**0.5
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The n x n Hadamard matrix divided by sqrt(n) (n a power of two): orthonormal and
+    symmetric, so it is its own inverse."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard matrix needs a power of two, got {n}")
+    return _hadamard(n).to(device=device, dtype=dtype)
+
+
 @dataclass
 class KVFormat:
     """How a cache stores the keys and values it keeps: its knobs, on every method.
 
     kv_bits 16 stores them as the model computes them (no quantization). 8, 4 or 2 stores
     keys per channel over groups of `group_size` tokens and values per token over groups of
-    `group_size` channels (so it must divide the head dim), packed, with a scale and a zero
+    `value_group_size` channels (None: `group_size`; it must divide the head dim; a whole
+    head's channels in one group halves the values' scale bytes), packed, with a scale and a zero
     point per group; the newest `residual` tokens (at least) stay in full precision and move
     to the quantized part a group at a time. The residual is 32, not KIVI's 128: eviction
     budgets here are 64-512 tokens, and 128 would keep a budget-128 cache unquantized.
@@ -220,6 +238,18 @@ class KVFormat:
     outliers that would widen the scale of every token in its group, and most heads attend
     to it heavily (IntactKV, Liu et al. 2024, arXiv:2403.01241, keeps such pivot tokens
     lossless). 0 (the default) quantizes them like any token.
+
+    pre_rope quantizes keys as the model projected them, before RoPE (KVQuant, Hooper et al.
+    2024, arXiv:2401.18079): RoPE turns each channel pair by a different angle at every
+    position, so after it a channel's values swing over its pair's whole magnitude within a
+    group of tokens, while before it each channel keeps its own range. Reads rotate the
+    dequantized keys back to their positions (the model's `inv_freq`); the residual stays as
+    the model gave it.
+
+    hadamard quantizes keys and values in a rotated basis: each token's channels times the
+    normalised Hadamard matrix, which spreads a few outlier channels over all of them so one
+    scale fits the group better (QuaRot, Ashkboos et al. 2024, arXiv:2404.00456); reads turn
+    them back. The head dim must then be a power of two.
 
     low_budget > 0 adds a low tier (core/low_tier.py): the tokens eviction drops go there,
     `low_budget` per KV head, each token's keys and values at `low_bits` over groups of
@@ -231,6 +261,9 @@ class KVFormat:
     group_size: int = knob(16, ge=1, le=1024)
     residual: int = tokens(32, minimum=0)
     fp_sinks: int = knob(0, ge=0, le=64)
+    pre_rope: bool = False
+    hadamard: bool = False
+    value_group_size: int | None = knob(None, ge=1, le=1024)
     low_budget: int = tokens(0, minimum=0)
     low_bits: Literal[8, 4, 2] = 4
     low_group_size: int | None = knob(None, ge=1, le=1024)
@@ -247,11 +280,18 @@ class KVFormat:
                 f"fp_sinks={self.fp_sinks} keeps sinks of a quantized cache in full precision: "
                 "it needs kv_bits 8, 4 or 2"
             )
+        for name in ("pre_rope", "hadamard"):
+            if getattr(self, name) and not self.quantized:
+                raise ValueError(f"{name} changes how quantized K/V are stored: it needs kv_bits 8, 4 or 2")
         if self.residual > MAX_TOKENS:
             raise ValueError(f"residual must be at most 10^9 tokens, got {self.residual}")
         check_bits(self.low_bits)
         if self.low_budget < 0:
             raise ValueError(f"low_budget must be a number of tokens >= 0, got {self.low_budget}")
+        if self.value_group & (self.value_group - 1):
+            raise ValueError(
+                f"value_group_size must be a power of two (it divides the head dim), got {self.value_group}"
+            )
         if self.low_group & (self.low_group - 1) or self.low_group < 1:
             raise ValueError(
                 f"low_group_size must be a power of two (it divides the head dim), got {self.low_group}"
@@ -268,16 +308,27 @@ class KVFormat:
         return self.quantized or self.low_budget > 0
 
     @property
+    def value_group(self) -> int:
+        """Channels per value group (value_group_size, or group_size when it is None)."""
+        return self.group_size if self.value_group_size is None else self.value_group_size
+
+    @property
     def low_group(self) -> int:
         """Channels per group of the low tier (low_group_size, or group_size when it is None)."""
         return self.group_size if self.low_group_size is None else self.low_group_size
 
     def check_head_dim(self, head_dim: int) -> None:
         """Refuse a head dim the value groups (and the packing) cannot split."""
-        if self.quantized and head_dim % self.group_size:
+        if self.quantized and head_dim % self.value_group:
+            name = "group_size" if self.value_group_size is None else "value_group_size"
             raise ValueError(
-                f"group_size {self.group_size} must divide the model's head dim ({head_dim}): values "
-                "are quantized per token in groups of group_size channels"
+                f"{name} {self.value_group} must divide the model's head dim ({head_dim}): values "
+                f"are quantized per token in groups of {name} channels"
+            )
+        if self.quantized and self.hadamard and head_dim & (head_dim - 1):
+            raise ValueError(
+                f"hadamard rotates a head's channels by a Hadamard matrix, which needs a head dim that is "
+                f"a power of two; the model's is {head_dim}"
             )
         if self.low_budget and head_dim % self.low_group:
             raise ValueError(

@@ -3,10 +3,11 @@
 Slots keep their meaning from `KVStorage` (token_index, per-head lengths, holes, padding,
 per-token state are the same); only where K/V live changes. Slots `[0, q_used)` are
 quantized: keys per channel over groups of `group_size` slots, values per token over groups
-of `group_size` channels, codes packed into uint8 with a scale and a zero per group. Slots
-from `q_used` on are the residual, in the model's dtype. `q_used` is a multiple of
-`group_size` and never passes the shortest head, so every quantized slot belongs to every
-head and a new token (written after its head's last slot) always lands in the residual.
+of `value_group_size` channels (`group_size` unless set), codes packed into uint8 with a scale
+and a zero per group. Slots from `q_used` on are the residual, in the model's dtype. `q_used`
+is a multiple of `group_size` and never passes the shortest head, so every quantized slot
+belongs to every head and a new token (written after its head's last slot) always lands in
+the residual.
 
 At the end of each forward (`settle`, after any compression) whole groups of the oldest
 residual slots move to the quantized part while at least `residual` tokens of the shortest
@@ -34,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from reasonkv.core.kv_basis import ROPE_POSITION, QuantizationBasis
 from reasonkv.core.memory_meter import MemoryMeter, tensor_bytes, tensor_bytes_16bit
 from reasonkv.core.policy.base import EMPTY
 from reasonkv.core.quantize import (
@@ -44,6 +46,7 @@ from reasonkv.core.quantize import (
     unpack_wide_,
     unpack_wide_dtype,
 )
+from reasonkv.core.quantized_slots import cat_slots, grown, head_slots, parts, put, rows_of, token_slots
 from reasonkv.core.sinks import FullPrecisionSinks
 from reasonkv.core.storage import KVStorage
 
@@ -55,42 +58,6 @@ QUANT_CHUNK = 256
 """The quantized part grows by its own size, at most this many slots (rounded up to whole
 groups) past what it needs, so a short run holds little spare room and a long one reallocates
 rarely."""
-
-
-def _head(q: QuantizedTensor, slots: int) -> QuantizedTensor:
-    """The first `slots` slots (axis 2) of a quantized K or V tensor."""
-    per = slots // q.group_size if q.dim == 2 else slots
-    return QuantizedTensor(
-        q.codes[:, :, :slots], q.scale[:, :, :per], q.zero[:, :, :per], q.bits, q.group_size, q.dim
-    )
-
-
-def _grown(q: QuantizedTensor, used: int, slots: int) -> QuantizedTensor:
-    """A copy of `q` with room for `slots` slots, its first `used` slots copied."""
-
-    def grow(t: torch.Tensor, n_used: int, n: int) -> torch.Tensor:
-        out = t.new_zeros(t.shape[0], t.shape[1], n, *t.shape[3:])
-        out[:, :, :n_used] = t[:, :, :n_used]
-        return out
-
-    g = q.group_size if q.dim == 2 else 1
-    return QuantizedTensor(
-        grow(q.codes, used, slots),
-        grow(q.scale, used // g, slots // g),
-        grow(q.zero, used // g, slots // g),
-        q.bits,
-        q.group_size,
-        q.dim,
-    )
-
-
-def _put(dst: QuantizedTensor, src: QuantizedTensor, start: int) -> None:
-    """Write `src` into `dst` from slot `start` (a group boundary)."""
-    n = src.codes.shape[2]
-    dst.codes[:, :, start : start + n] = src.codes
-    g = dst.group_size if dst.dim == 2 else 1
-    dst.scale[:, :, start // g : (start + n) // g] = src.scale
-    dst.zero[:, :, start // g : (start + n) // g] = src.zero
 
 
 class _ReadPlan(NamedTuple):
@@ -127,35 +94,6 @@ def _read_plan(
     )
 
 
-def _token_slots(q: QuantizedTensor, slots: torch.Tensor) -> QuantizedTensor:
-    """Slots `slots` [B, H, k] (axis 2) of a per-token quantized tensor (values): codes, scales
-    and zeros as they are, nothing re-quantized."""
-
-    def pick(t: torch.Tensor) -> torch.Tensor:
-        return t.gather(2, slots[..., None].expand(-1, -1, -1, t.shape[-1]))
-
-    return QuantizedTensor(pick(q.codes), pick(q.scale), pick(q.zero), q.bits, q.group_size, q.dim)
-
-
-def _parts(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return q.codes, q.scale, q.zero
-
-
-def _cat_slots(a: QuantizedTensor, b: QuantizedTensor) -> QuantizedTensor:
-    """Per-token quantized tensors `a` then `b` along the slot axis."""
-    return QuantizedTensor(
-        *(torch.cat([x, y], 2) for x, y in ((a.codes, b.codes), (a.scale, b.scale), (a.zero, b.zero))),
-        a.bits,
-        a.group_size,
-        a.dim,
-    )
-
-
-def _rows(q: QuantizedTensor, rows: torch.Tensor) -> QuantizedTensor:
-    pick = [t.index_select(0, rows.to(t.device)) for t in (q.codes, q.scale, q.zero)]
-    return QuantizedTensor(*pick, q.bits, q.group_size, q.dim)
-
-
 class QuantizedKVStorage(KVStorage):
     def __init__(
         self,
@@ -165,8 +103,12 @@ class QuantizedKVStorage(KVStorage):
         fmt: KVFormat,
         state_names: tuple[str, ...] = (),
         meter: MemoryMeter | None = None,
+        basis: QuantizationBasis | None = None,
     ):
         self.fmt = fmt
+        self.basis = QuantizationBasis(fmt, None) if basis is None else basis  # pre_rope, hadamard
+        if fmt.pre_rope:
+            state_names = (*state_names, ROPE_POSITION)
         self.kq: QuantizedTensor | None = None  # slots [0, q_cap): codes [B, H, q_cap, D*bits/8]
         self.vq: QuantizedTensor | None = None
         self.k_res: torch.Tensor | None = None  # slots [q_used, q_used + r_cap), the model's dtype
@@ -206,6 +148,8 @@ class QuantizedKVStorage(KVStorage):
                 self._view = (k_res, v_res)
             else:
                 keys, values = self._dequantize(k_res, v_res)
+                q = self.q_used
+                self.basis.restore_(keys[:, :, :q], values[:, :, :q], self._positions(0, q), self.meter)
                 if self.sinks is not None:
                     self.sinks.restore(keys, values, self.token_index[:, :, : self.used])
                 self._view = (keys, values)
@@ -229,8 +173,8 @@ class QuantizedKVStorage(KVStorage):
             plan = self._plan = _read_plan(self.kq, self.vq, self.q_used, self.k_res, self.v_res)
         if plan is None:
             dtype = self.k_res.dtype
-            keys = torch.cat([_head(self.kq, self.q_used).dequantize(dtype), k_res], dim=2)
-            values = torch.cat([_head(self.vq, self.q_used).dequantize(dtype), v_res], dim=2)
+            keys = torch.cat([head_slots(self.kq, self.q_used).dequantize(dtype), k_res], dim=2)
+            values = torch.cat([head_slots(self.vq, self.q_used).dequantize(dtype), v_res], dim=2)
             return keys, values
         b, h, n, d = k_res.shape
         q, g, bits = self.q_used, self.fmt.group_size, self.kq.bits
@@ -244,9 +188,30 @@ class QuantizedKVStorage(KVStorage):
             quantized.copy_(unpack_wide_(wide, bits).view(2 * b, h, q, d))
         keys = quantized[:b].unflatten(2, (q // g, g))
         torch.addcmul(plan.k_zero, keys, plan.k_scale, out=keys)
-        scale_channel_groups_(quantized[b:].unflatten(3, (d // g, g)), *plan.v_scale_zero)
+        gv = self.fmt.value_group
+        scale_channel_groups_(quantized[b:].unflatten(3, (d // gv, gv)), *plan.v_scale_zero)
         torch.cat([k_res, v_res], out=out[:, :, q:])
         return out[:b], out[b:]
+
+    def _positions(self, lo: int, hi: int) -> torch.Tensor | None:
+        """The RoPE positions [B, H, hi - lo] of slots [lo, hi) (pre_rope; else None)."""
+        state = self.token_state.get(ROPE_POSITION)
+        return None if state is None else state[:, :, lo:hi]
+
+    def record_positions(self, positions: torch.Tensor, first_index: int) -> None:
+        """The RoPE positions [B, q] of this forward's tokens (sequence indices first_index...),
+        before anything quantizes them: pre_rope stores their keys unrotated from them. The new
+        tokens are all in the residual (after each head's last slot)."""
+        state = self.token_state.get(ROPE_POSITION)
+        if state is None or self.used == self.q_used:
+            return
+        index = self.token_index[:, :, self.q_used : self.used]
+        rel = index - first_index  # EMPTY (padding, holes) stays out of [0, q)
+        q = positions.shape[1]
+        new = (rel >= 0) & (rel < q)
+        pos = positions[:, None, :].expand(-1, index.shape[1], -1).gather(2, rel.clamp(0, q - 1))
+        tail = state[:, :, self.q_used : self.used]
+        tail.copy_(torch.where(new, pos.to(tail.dtype), tail))
 
     def _capture_sinks(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Before the first token is quantized (by `settle` or by a compaction): keep the
@@ -288,10 +253,10 @@ class QuantizedKVStorage(KVStorage):
         self._view_owned = False
 
     def token_bytes(self) -> float:
-        d, g = self.head_dim, self.fmt.group_size
+        d, g, gv = self.head_dim, self.fmt.group_size, self.fmt.value_group
         packed = 2 * d * self.fmt.kv_bits / 8
         esz = self.kq.scale.element_size()
-        return packed + 2 * esz * (d / g + d / g)  # keys: D scales per g tokens; values: D/g per token
+        return packed + 2 * esz * (d / g + d / gv)  # keys: D scales per g tokens; values: D/gv per token
 
     def live_kv_bytes(self) -> float:
         """Real tokens in the quantized part at `token_bytes`, the rest at full precision."""
@@ -323,7 +288,11 @@ class QuantizedKVStorage(KVStorage):
         return self.fmt.residual + self.fmt.group_size + max(self.used - self.min_len, 0)
 
     def _empty(self, like: torch.Tensor, dim: int) -> QuantizedTensor:
-        return quantize(like[:, :, :0], self.fmt.kv_bits, self.fmt.group_size, dim)
+        return quantize(like[:, :, :0], self.fmt.kv_bits, self._group(dim), dim)
+
+    def _group(self, dim: int) -> int:
+        """Keys (dim 2): tokens per group; values (dim 3): channels per group."""
+        return self.fmt.group_size if dim == 2 else self.fmt.value_group
 
     def _resize_residual(self, slots: int) -> None:
         n = self.used - self.q_used
@@ -369,17 +338,18 @@ class QuantizedKVStorage(KVStorage):
         if self.fmt.fp_sinks and self.sinks is None:  # nothing is quantized yet: all in the residual
             self._capture_sinks(self.k_res, self.v_res)
         real = self._key_range_slots(self.token_index[:, :, self.q_used : self.q_used + m])
-        k_new = quantize(self.k_res[:, :, :m], self.fmt.kv_bits, g, 2, valid=real)
-        v_new = quantize(self.v_res[:, :, :m], self.fmt.kv_bits, g, 3)
+        keys = self.basis.keys_in(self.k_res[:, :, :m], self._positions(self.q_used, self.q_used + m))
+        k_new = quantize(keys, self.fmt.kv_bits, g, 2, valid=real)
+        v_new = quantize(self.basis.values_in(self.v_res[:, :, :m]), self.fmt.kv_bits, self._group(3), 3)
         kq, vq = self.kq, self.vq
         if self.q_used + m > kq.codes.shape[2]:
             more = min(QUANT_CHUNK, self.q_used + m)  # doubling, at most a chunk past what it needs
             room = self.q_used + m + -(-more // g) * g
             # Never past what the layer's slots can hold: a bounded cache grows to its size once.
             room = max(self.q_used + m, min(room, (self._index_cap - self.fmt.residual) // g * g))
-            kq, vq = _grown(kq, self.q_used, room), _grown(vq, self.q_used, room)
-        _put(kq, k_new, self.q_used)
-        _put(vq, v_new, self.q_used)
+            kq, vq = grown(kq, self.q_used, room), grown(vq, self.q_used, room)
+        put(kq, k_new, self.q_used)
+        put(vq, v_new, self.q_used)
         rest = self.used - self.q_used - m
         keep = self._residual_room()
         if self.k_res.shape[2] > keep:  # a prefill's residual shrinks back
@@ -429,18 +399,18 @@ class QuantizedKVStorage(KVStorage):
         g, bits = self.fmt.group_size, self.fmt.kv_bits
         q_new = max(self.min_len - self.fmt.residual, 0) // g * g
         room = max(q_new, (capacity - self.fmt.residual) // g * g)
-        kq = _grown(self._empty(keys, 2), 0, room)
-        vq = _grown(self._empty(values, 3), 0, room)
-        self.meter.add(*_parts(kq), *_parts(vq))  # the new storage is held from here on
-        _put(vq, _token_slots(values_q, safe[:, :, :q_new]), 0)
-        self.meter.remove(*_parts(values_q))
+        kq = grown(self._empty(keys, 2), 0, room)
+        vq = grown(self._empty(values, 3), 0, room)
+        self.meter.add(*parts(kq), *parts(vq))  # the new storage is held from here on
+        put(vq, token_slots(values_q, safe[:, :, :q_new]), 0)
+        self.meter.remove(*parts(values_q))
         chunk = max(KEY_CHUNK // g, 1) * g
         for lo in range(0, q_new, chunk):
             hi = min(lo + chunk, q_new)
             part = keys.gather(2, safe[:, :, lo:hi, None].expand(-1, -1, -1, keys.shape[-1]))
             self.meter.add(part)
             real = self._key_range_slots(index[:, :, lo:hi])
-            _put(kq, quantize(part, bits, g, 2, valid=real), lo)
+            put(kq, quantize(self.basis.keys_in(part, self._positions(lo, hi)), bits, g, 2, valid=real), lo)
             self.meter.remove(part)
         n = k - q_new
         k_res = keys.new_zeros(b, h, self._residual_room(), keys.shape[-1])
@@ -458,10 +428,11 @@ class QuantizedKVStorage(KVStorage):
         """Every slot's values [0, used) quantized per token: the stored codes of the quantized
         part, then the residual's, quantized now (a token's values are one group, so this is
         what `settle` would store). A copy, a few bytes a token; metered while it lives."""
-        vq = _head(self.vq, self.q_used)
-        res = quantize(self.v_res[:, :, : used - self.q_used], self.fmt.kv_bits, self.fmt.group_size, 3)
-        out = _cat_slots(vq, res)
-        self.meter.add(*_parts(out))
+        vq = head_slots(self.vq, self.q_used)
+        res = self.basis.values_in(self.v_res[:, :, : used - self.q_used])
+        res = quantize(res, self.fmt.kv_bits, self._group(3), 3)
+        out = cat_slots(vq, res)
+        self.meter.add(*parts(out))
         return out
 
     # ---------------------------------------------------------- bookkeeping
@@ -506,8 +477,8 @@ class QuantizedKVStorage(KVStorage):
             self._drop_view()
             idx = rows.to(self.k_res.device)
             self._set(
-                _rows(self.kq, idx),
-                _rows(self.vq, idx),
+                rows_of(self.kq, idx),
+                rows_of(self.vq, idx),
                 self.k_res.index_select(0, idx),
                 self.v_res.index_select(0, idx),
             )

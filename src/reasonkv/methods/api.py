@@ -115,9 +115,14 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
         parts.storage.check_head_dim(shape.head_dim)
     except ValueError as err:
         raise KnobError(f"parameters of {method!r} do not fit the model: {err}") from None
+    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+    if parts.storage.pre_rope and getattr(rotary, "inv_freq", None) is None:
+        raise KnobError(
+            f"parameters of {method!r} do not fit the model: pre_rope needs its RoPE inverse "
+            "frequencies (model.model.rotary_emb.inv_freq), and it has none"
+        )
     install_attention(model)
     modules = attention_modules(model)
-    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
     policy = LayerPolicy(
         scorer=parts.scorer,
         schedule=parts.schedule,
