@@ -52,7 +52,7 @@ def layer_storage(
     values = torch.randn(1, heads, tokens, dim, generator=gen).to(dtype)
     storage.ensure_capacity(tokens, tokens + 64, keys, values)
     storage.append(keys, values, 0)
-    storage.record_positions(torch.arange(tokens)[None], 0)
+    storage.record_positions(torch.arange(tokens)[None], torch.arange(tokens)[None])
     storage.settle()
     return storage
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import HEAD_DIM, build_tiny_model, left_pad, random_prompt, tiny_model
-from reasonkv.core.kv_basis import ROPE_POSITION, QuantizationBasis
+from reasonkv.core.kv_basis import QuantizationBasis
 from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.rope import apply_rope, unapply_rope
 from reasonkv.core.quantize import KVFormat, dequantize, hadamard_matrix, quantize
@@ -30,9 +30,10 @@ def _storage(k, v, positions, pad: int = 0, **fmt) -> QuantizedKVStorage:
     n = k.shape[2]
     s.ensure_capacity(n, n + 8, k, v)
     s.append(k, v, 0)
+    index = torch.arange(n)[None]
     if pad:
-        s.mark_padding(torch.arange(n)[None] >= pad, 0)
-    s.record_positions(positions, 0)
+        s.mark_padding(index >= pad, 0)
+    s.record_positions(index.masked_fill(index < pad, -1), positions)
     s.settle()
     return s
 
@@ -66,11 +67,14 @@ def test_positions_follow_padding_and_compaction() -> None:
     seq = torch.arange(40)
     positions = torch.where(seq < 3, 1, seq - 3)[None]  # 3 left pads (at 1, as generate puts them)
     s = _storage(k, v, positions, pad=3, pre_rope=True)
-    assert torch.equal(s.token_state[ROPE_POSITION][0, 0, 3:40], torch.arange(37).float())
+    padding_then_real = torch.cat([torch.zeros(3, dtype=torch.long), torch.arange(37)])
+    assert torch.equal(s._positions(0, 40)[0, 1], padding_then_real)
     kept = torch.tensor([[[3, 4, 9, 17, 20, 25, 33, 39]]]).expand(1, 2, -1)
     before = s.read_keys().gather(2, kept[..., None].expand(-1, -1, -1, HEAD_DIM))
     s.compact(kept, torch.full((1, 2), 8), 8)
-    assert torch.equal(s.token_state[ROPE_POSITION][0, 0, :8], torch.tensor([0, 1, 6, 14, 17, 22, 30, 36.0]))
+    assert torch.equal(s._positions(0, 8)[0, 0], torch.tensor([0, 1, 6, 14, 17, 22, 30, 36]))
+    s.select_rows(torch.tensor([0, 0]))  # a beam search's rows: each keeps its offset
+    assert torch.equal(s._positions(0, 8)[1, 1], torch.tensor([0, 1, 6, 14, 17, 22, 30, 36]))
     # Re-quantized in their new groups from the positions they moved with: still close.
     assert float((s.read_keys() - before).abs().max()) < 0.5
 
@@ -99,6 +103,19 @@ def test_hadamard_spreads_an_outlier_channel() -> None:
     assert err_rotated * 2 < err_plain
 
 
+def test_pre_rope_holds_no_bytes_more_and_refuses_positions_that_leave_the_sequence() -> None:
+    k, v = _kv()
+    plain = _storage(k, v, torch.arange(32)[None])
+    pre = _storage(k, v, torch.arange(32)[None], pre_rope=True)
+    assert pre.kv_bytes() == plain.kv_bytes()  # a row's offset, not a position per slot
+    more_k, more_v = _kv(8, seed=1)
+    pre.ensure_capacity(40, 48, more_k, more_v)
+    pre.append(more_k, more_v, 32)
+    pre.record_positions(torch.arange(32, 40)[None], torch.arange(32, 40)[None] + 100)
+    with pytest.raises(ValueError, match="positions do not follow"):
+        pre.settle()
+
+
 @torch.no_grad()
 def _greedy_logits(model, ids, mask, cache, steps: int = 24) -> torch.Tensor:
     out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
@@ -111,15 +128,22 @@ def _greedy_logits(model, ids, mask, cache, steps: int = 24) -> torch.Tensor:
     return torch.stack(logits, 1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_a_left_padded_batch_at_8_bits_stays_close_to_full_precision(arch) -> None:
-    """Padding shifts a row's RoPE positions away from its sequence indices: a key turned back
-    at the wrong position would be far off."""
+@pytest.mark.parametrize(
+    "arch,method,knobs",
+    [
+        ("llama", "snapkv", {"interval": 8}),  # compactions
+        ("qwen3", "snapkv", {"interval": 8}),
+        ("llama", "h2o", {}),  # holes every step
+        ("llama", "adakv-snapkv", {"interval": 8}),  # ragged heads
+    ],
+)
+def test_a_left_padded_batch_at_8_bits_stays_close_to_full_precision(arch, method, knobs) -> None:
+    """Both changes of basis on, every slot layout: the reads turn back what was stored."""
     model = tiny_model(arch)
     ids, mask = left_pad([random_prompt(30, 5)[0], random_prompt(19, 6)[0]])
-    knobs = {"interval": 8, "group_size": 8, "residual": 0}
-    full = _greedy_logits(model, ids, mask, make_cache(model, "snapkv", budget=24, **knobs))
-    both = make_cache(model, "snapkv", budget=24, kv_bits=8, pre_rope=True, hadamard=True, **knobs)
+    knobs = {**knobs, "group_size": 8, "residual": 0}
+    full = _greedy_logits(model, ids, mask, make_cache(model, method, budget=24, **knobs))
+    both = make_cache(model, method, budget=24, kv_bits=8, pre_rope=True, hadamard=True, **knobs)
     quant = _greedy_logits(model, ids, mask, both)
     assert both.layers[0].storage.q_used > 0
     assert float((quant - full).abs().max()) < 0.02 * float(full.abs().max())

@@ -22,11 +22,9 @@ from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.rope import apply_rope, unapply_rope
 from reasonkv.core.quantize import KVFormat, hadamard_matrix
 
-ROPE_POSITION = "rope_position"
-"""The per-slot state (token_state) holding each token's RoPE position, for pre_rope."""
-
 READ_CHUNK = 128
-"""Slots turned back at once when reading: the only extra copy a read makes (metered)."""
+"""Slots turned back at once when reading: the one extra copy a read makes beside the view
+(metered; the arithmetic's own temporaries, like the quantizer's, are not)."""
 
 
 class QuantizationBasis:

@@ -287,7 +287,7 @@ class CompressedLayer(CacheLayerMixin):
         self.pending = False
         policy, storage = self.policy, self.storage
         index, positions = self.window.label(query, self.new_start, self._new_valid, positions)
-        storage.record_positions(positions, self.new_start)
+        storage.record_positions(index, positions)
         if not self._states_made:
             self.n_query_heads = query.shape[1]
             self._new_states()

@@ -253,7 +253,7 @@ class KVFormat:
 
     low_budget > 0 adds a low tier (core/low_tier.py): the tokens eviction drops go there,
     `low_budget` per KV head, each token's keys and values at `low_bits` over groups of
-    `low_group_size` channels (None: group_size), and leave the cache only when the tier
+    `low_group_size` channels (None: the values' group), and leave the cache only when the tier
     is full and they are the lowest-scoring of it. 0 (the default) is no low tier.
     """
 
@@ -273,7 +273,8 @@ class KVFormat:
             check_bits(self.kv_bits)
         if self.group_size & (self.group_size - 1):
             raise ValueError(
-                f"group_size must be a power of two (it divides the head dim), got {self.group_size}"
+                f"group_size must be a power of two (it is the values' group too unless value_group_size "
+                f"is set), got {self.group_size}"
             )
         if self.fp_sinks and not self.quantized:
             raise ValueError(
@@ -288,7 +289,7 @@ class KVFormat:
         check_bits(self.low_bits)
         if self.low_budget < 0:
             raise ValueError(f"low_budget must be a number of tokens >= 0, got {self.low_budget}")
-        if self.value_group & (self.value_group - 1):
+        if self.value_group < 1 or self.value_group & (self.value_group - 1):
             raise ValueError(
                 f"value_group_size must be a power of two (it divides the head dim), got {self.value_group}"
             )
@@ -314,8 +315,8 @@ class KVFormat:
 
     @property
     def low_group(self) -> int:
-        """Channels per group of the low tier (low_group_size, or group_size when it is None)."""
-        return self.group_size if self.low_group_size is None else self.low_group_size
+        """Channels per group of the low tier (low_group_size, or the values' group when it is None)."""
+        return self.value_group if self.low_group_size is None else self.low_group_size
 
     def check_head_dim(self, head_dim: int) -> None:
         """Refuse a head dim the value groups (and the packing) cannot split."""

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from reasonkv.core.kv_basis import ROPE_POSITION, QuantizationBasis
+from reasonkv.core.kv_basis import QuantizationBasis
 from reasonkv.core.memory_meter import MemoryMeter, tensor_bytes, tensor_bytes_16bit
 from reasonkv.core.policy.base import EMPTY
 from reasonkv.core.quantize import (
@@ -107,8 +107,10 @@ class QuantizedKVStorage(KVStorage):
     ):
         self.fmt = fmt
         self.basis = QuantizationBasis(fmt, None) if basis is None else basis  # pre_rope, hadamard
-        if fmt.pre_rope:
-            state_names = (*state_names, ROPE_POSITION)
+        # pre_rope: each row's sequence index less RoPE position, the same for all its real
+        # tokens (left padding shifts a row's positions by its pads), and whether it stayed so.
+        self.position_offset: torch.Tensor | None = None  # [B]
+        self._offsets_hold: torch.Tensor | None = None  # bool, on the device: checked when quantizing
         self.kq: QuantizedTensor | None = None  # slots [0, q_cap): codes [B, H, q_cap, D*bits/8]
         self.vq: QuantizedTensor | None = None
         self.k_res: torch.Tensor | None = None  # slots [q_used, q_used + r_cap), the model's dtype
@@ -148,13 +150,13 @@ class QuantizedKVStorage(KVStorage):
                 self._view = (k_res, v_res)
             else:
                 keys, values = self._dequantize(k_res, v_res)
+                self.meter.add(keys, values)
                 q = self.q_used
                 self.basis.restore_(keys[:, :, :q], values[:, :, :q], self._positions(0, q), self.meter)
                 if self.sinks is not None:
                     self.sinks.restore(keys, values, self.token_index[:, :, : self.used])
                 self._view = (keys, values)
                 self._view_owned = True
-                self.meter.add(keys, values)
         return self._view
 
     def _dequantize(self, k_res: torch.Tensor, v_res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,24 +196,34 @@ class QuantizedKVStorage(KVStorage):
         return out[:b], out[b:]
 
     def _positions(self, lo: int, hi: int) -> torch.Tensor | None:
-        """The RoPE positions [B, H, hi - lo] of slots [lo, hi) (pre_rope; else None)."""
-        state = self.token_state.get(ROPE_POSITION)
-        return None if state is None else state[:, :, lo:hi]
+        """The RoPE positions [B, H, hi - lo] of slots [lo, hi) (pre_rope; else None): each
+        slot's sequence index less its row's offset (0 for padding and holes)."""
+        if not self.fmt.pre_rope:
+            return None
+        index = self.token_index[:, :, lo:hi]
+        return torch.where(index == EMPTY, 0, index - self.position_offset[:, None, None])
 
-    def record_positions(self, positions: torch.Tensor, first_index: int) -> None:
-        """The RoPE positions [B, q] of this forward's tokens (sequence indices first_index...),
-        before anything quantizes them: pre_rope stores their keys unrotated from them. The new
-        tokens are all in the residual (after each head's last slot)."""
-        state = self.token_state.get(ROPE_POSITION)
-        if state is None or self.used == self.q_used:
+    def record_positions(self, index: torch.Tensor, positions: torch.Tensor) -> None:
+        """A forward's sequence indices [B, q] (-1: padding) and RoPE positions [B, q], before
+        anything quantizes its tokens: pre_rope keeps each row's offset between the two (no
+        state per slot) and notes whether this forward's real tokens kept it."""
+        if not self.fmt.pre_rope:
             return
-        index = self.token_index[:, :, self.q_used : self.used]
-        rel = index - first_index  # EMPTY (padding, holes) stays out of [0, q)
-        q = positions.shape[1]
-        new = (rel >= 0) & (rel < q)
-        pos = positions[:, None, :].expand(-1, index.shape[1], -1).gather(2, rel.clamp(0, q - 1))
-        tail = state[:, :, self.q_used : self.used]
-        tail.copy_(torch.where(new, pos.to(tail.dtype), tail))
+        offset = index - positions
+        if self.position_offset is None:  # the first forward: its last token is real (left padding)
+            self.position_offset = offset[:, -1].clone()
+            self._offsets_hold = torch.ones((), dtype=torch.bool, device=offset.device)
+        same = (offset == self.position_offset[:, None]) | (index < 0)
+        self._offsets_hold &= same.all()
+
+    def _check_positions(self) -> None:
+        """Before keys are quantized before RoPE: their positions must follow the sequence."""
+        if self.fmt.pre_rope and not bool(self._offsets_hold):
+            raise ValueError(
+                "pre_rope stores keys at each row's RoPE positions, which it takes to be the sequence "
+                "indices less the row's left padding; this sequence's positions do not follow that "
+                "(padding after real tokens, or position_ids of your own): use the cache without pre_rope"
+            )
 
     def _capture_sinks(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Before the first token is quantized (by `settle` or by a compaction): keep the
@@ -338,6 +350,7 @@ class QuantizedKVStorage(KVStorage):
         if self.fmt.fp_sinks and self.sinks is None:  # nothing is quantized yet: all in the residual
             self._capture_sinks(self.k_res, self.v_res)
         real = self._key_range_slots(self.token_index[:, :, self.q_used : self.q_used + m])
+        self._check_positions()
         keys = self.basis.keys_in(self.k_res[:, :, :m], self._positions(self.q_used, self.q_used + m))
         k_new = quantize(keys, self.fmt.kv_bits, g, 2, valid=real)
         v_new = quantize(self.basis.values_in(self.v_res[:, :, :m]), self.fmt.kv_bits, self._group(3), 3)
@@ -373,6 +386,7 @@ class QuantizedKVStorage(KVStorage):
         safe = slots.clamp(max=max(self.used - 1, 0))
         present = slots < self.used
         keys, values = self.read_keys(), self.read_values()  # this step's view (already read)
+        self._check_positions()
         if self.fmt.fp_sinks and self.sinks is None and self.used:  # it may quantize first
             self._capture_sinks(keys, values)
         values_q = self._values_by_slot(self.used)
@@ -427,7 +441,8 @@ class QuantizedKVStorage(KVStorage):
     def _values_by_slot(self, used: int) -> QuantizedTensor:
         """Every slot's values [0, used) quantized per token: the stored codes of the quantized
         part, then the residual's, quantized now (a token's values are one group, so this is
-        what `settle` would store). A copy, a few bytes a token; metered while it lives."""
+        what `settle` would store: values are quantized per token). A copy, a few bytes a token;
+        metered while it lives."""
         vq = head_slots(self.vq, self.q_used)
         res = self.basis.values_in(self.v_res[:, :, : used - self.q_used])
         res = quantize(res, self.fmt.kv_bits, self._group(3), 3)
@@ -469,6 +484,8 @@ class QuantizedKVStorage(KVStorage):
         ]
 
     def select_rows(self, rows: torch.Tensor) -> None:
+        if self.position_offset is not None:
+            self.position_offset = self.position_offset.index_select(0, rows.to(self.position_offset.device))
         if self.sinks is not None:
             self.meter.remove(*self.sinks.tensors())
             self.sinks = self.sinks.select_rows(rows)
@@ -509,4 +526,5 @@ class QuantizedKVStorage(KVStorage):
         self.sinks = None
         self.kq = self.vq = self.k_res = self.v_res = None
         self._plan = None
+        self.position_offset = self._offsets_hold = None
         self.token_index = None

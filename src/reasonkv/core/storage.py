@@ -66,8 +66,8 @@ class KVStorage:
     def settle(self) -> None:
         """End of a forward, after any compression: nothing to do for full-precision storage."""
 
-    def record_positions(self, positions: torch.Tensor, first_index: int) -> None:
-        """This forward's RoPE positions [B, q]: full-precision storage needs none."""
+    def record_positions(self, index: torch.Tensor, positions: torch.Tensor) -> None:
+        """A forward's sequence indices and RoPE positions [B, q]: full-precision storage needs none."""
 
     def steps_until_settle(self) -> int | None:
         """Tokens one forward can take before `settle` would change what is stored (None: never)."""
