@@ -33,6 +33,37 @@ def _label(row: dict) -> str:
     return f"{row['method']}[{knobs}]" if knobs else row["method"]
 
 
+SHORT = {
+    "kv_bits": lambda v: f"{v}-bit",
+    "group_size": lambda v: f"g{v}",
+    "value_group_size": lambda v: f"vg{v}",
+    "residual": lambda v: f"r{v}",
+    "fp_sinks": lambda v: "sink" if v == 1 else f"{v} sinks",
+    "pre_rope": lambda v: "pre-RoPE" if v else "",
+    "hadamard": lambda v: "Hadamard" if v else "",
+    "fraction": lambda v: f"evict 1/{1 / v:g}" if (1 / v).is_integer() else f"evict {v:g}",
+}
+"""Legend names of storage and schedule knobs (the legend would be wider than the plots)."""
+
+
+def _legend(family: str) -> str:
+    """A family's name with its knobs abbreviated: beaconkv[fp_sinks=1,kv_bits=4] -> beaconkv [4-bit sink]."""
+    head, sep, rest = family.partition("[")
+    if not sep:
+        return family
+    knobs, _, tail = rest.partition("]")
+    parts = []
+    for pair in knobs.split(","):
+        k, _, v = pair.partition("=")
+        value = {"True": True, "False": False}.get(v, v)
+        if k in SHORT:
+            value = float(v) if k == "fraction" else int(v) if v.isdigit() else value
+            parts.append(SHORT[k](value))
+        else:
+            parts.append(pair)
+    return f"{head} [{' '.join(p for p in parts if p)}]{tail}"
+
+
 def _family(row: dict) -> str:
     """Which curve a point belongs to: a method under one knob setting, budgets along it. A
     two-tier cache's low budget is a multiple of its budget here, so the curve is keyed by
@@ -122,7 +153,7 @@ def goal_bytes(peaks: dict[tuple[str, int], float]) -> float | None:
 
 def plot(pts: list[dict], out: Path, goal_mib: float | None = None) -> Path:
     plt = pyplot()
-    fig, (ax_kl, ax_top1) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (ax_kl, ax_top1) = plt.subplots(1, 2, figsize=(12, 6.4))
     families = list(dict.fromkeys(p["family"] for p in pts))
     colors = plt.get_cmap("tab20").colors  # more curves than the default cycle's 10 colours
     for i, fam in enumerate(families):
@@ -132,7 +163,7 @@ def plot(pts: list[dict], out: Path, goal_mib: float | None = None) -> Path:
             "marker": "os^Dv"[i % 5],
             "color": colors[(2 * i) % 20 + (2 * i) // 20 % 2],
             "linestyle": "-" if len(mine) > 1 else "none",
-            "label": fam,
+            "label": _legend(fam),
         }
         ax_kl.plot(x, [p["mean_kl"] for p in mine], **style)
         ax_top1.plot(x, [p["top1"] for p in mine], **style)
@@ -155,14 +186,14 @@ def plot(pts: list[dict], out: Path, goal_mib: float | None = None) -> Path:
     ax_kl.set_yscale("log")
     ax_kl.set_ylabel("mean KL(full ‖ method), nats")
     ax_top1.set_ylabel("top-1 agreement with the full cache")
-    ax_kl.legend(fontsize=7)
+    fig.legend(*ax_kl.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=7, frameon=False)
     traces = sorted({p["traces"] for p in pts})
     fig.suptitle(
         "Evict, quantize, or both: SmolLM2-135M (not a reasoning model) reading "
         f"{'/'.join(map(str, traces))} reasoning traces, 2,048 tokens",
         fontsize=10,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.2, 1, 1))  # the legend below both plots
     return save_figure(fig, out)
 
 
