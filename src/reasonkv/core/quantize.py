@@ -206,19 +206,16 @@ def scale_channel_groups_(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
 
 
 @functools.cache
-def _hadamard(n: int) -> torch.Tensor:
+def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The n x n Hadamard matrix divided by sqrt(n) (n a power of two): orthonormal and
+    symmetric, so it is its own inverse. Made once per size, dtype and device (reads use it
+    every step; callers must not write to it)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard matrix needs a power of two, got {n}")
     h = torch.ones(1, 1)
     while h.shape[0] < n:  # Sylvester: [[H, H], [H, -H]]
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h / n**0.5
-
-
-def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The n x n Hadamard matrix divided by sqrt(n) (n a power of two): orthonormal and
-    symmetric, so it is its own inverse."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"a Hadamard matrix needs a power of two, got {n}")
-    return _hadamard(n).to(device=device, dtype=dtype)
+    return (h / n**0.5).to(device=device, dtype=dtype)
 
 
 @dataclass
@@ -276,14 +273,12 @@ class KVFormat:
                 f"group_size must be a power of two (it is the values' group too unless value_group_size "
                 f"is set), got {self.group_size}"
             )
-        if self.fp_sinks and not self.quantized:
-            raise ValueError(
-                f"fp_sinks={self.fp_sinks} keeps sinks of a quantized cache in full precision: "
-                "it needs kv_bits 8, 4 or 2"
-            )
-        for name in ("pre_rope", "hadamard"):
+        for name in ("fp_sinks", "pre_rope", "hadamard"):  # they change how quantized K/V are stored
             if getattr(self, name) and not self.quantized:
-                raise ValueError(f"{name} changes how quantized K/V are stored: it needs kv_bits 8, 4 or 2")
+                raise ValueError(
+                    f"{name}={getattr(self, name)} changes how a quantized cache stores K/V: "
+                    "it needs kv_bits 8, 4 or 2"
+                )
         if self.residual > MAX_TOKENS:
             raise ValueError(f"residual must be at most 10^9 tokens, got {self.residual}")
         check_bits(self.low_bits)

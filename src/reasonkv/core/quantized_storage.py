@@ -233,6 +233,19 @@ class QuantizedKVStorage(KVStorage):
         self.sinks = FullPrecisionSinks(self.fmt.fp_sinks, index, keys, values)
         self.meter.add(*self.sinks.tensors())
 
+    def _key_codes(self, keys: torch.Tensor, lo: int) -> QuantizedTensor:
+        """Keys of slots [lo, lo + n) (whole groups), as the model gives them, quantized as
+        stored: in the storage's basis, per channel over their groups, the range taken over
+        the real tokens that are not sinks."""
+        hi = lo + keys.shape[2]
+        real = self._key_range_slots(self.token_index[:, :, lo:hi])
+        stored = self.basis.keys_in(keys, self._positions(lo, hi))
+        return quantize(stored, self.fmt.kv_bits, self.fmt.group_size, 2, valid=real)
+
+    def _value_codes(self, values: torch.Tensor) -> QuantizedTensor:
+        """Values as the model gives them, quantized as stored (per token, in the storage's basis)."""
+        return quantize(self.basis.values_in(values), self.fmt.kv_bits, self.fmt.value_group, 3)
+
     def _key_range_slots(self, index: torch.Tensor) -> torch.Tensor:
         """[B, H, n, 1] True for slots (sequence indices `index` [B, H, n]) that a key group's
         range is taken over: real tokens, sinks kept in full precision left out."""
@@ -349,11 +362,9 @@ class QuantizedKVStorage(KVStorage):
             return
         if self.fmt.fp_sinks and self.sinks is None:  # nothing is quantized yet: all in the residual
             self._capture_sinks(self.k_res, self.v_res)
-        real = self._key_range_slots(self.token_index[:, :, self.q_used : self.q_used + m])
         self._check_positions()
-        keys = self.basis.keys_in(self.k_res[:, :, :m], self._positions(self.q_used, self.q_used + m))
-        k_new = quantize(keys, self.fmt.kv_bits, g, 2, valid=real)
-        v_new = quantize(self.basis.values_in(self.v_res[:, :, :m]), self.fmt.kv_bits, self._group(3), 3)
+        k_new = self._key_codes(self.k_res[:, :, :m], self.q_used)
+        v_new = self._value_codes(self.v_res[:, :, :m])
         kq, vq = self.kq, self.vq
         if self.q_used + m > kq.codes.shape[2]:
             more = min(QUANT_CHUNK, self.q_used + m)  # doubling, at most a chunk past what it needs
@@ -410,7 +421,7 @@ class QuantizedKVStorage(KVStorage):
         self.padded = False
         self._retire_view()  # the step's attention still holds it: metered until `settle`
 
-        g, bits = self.fmt.group_size, self.fmt.kv_bits
+        g = self.fmt.group_size
         q_new = max(self.min_len - self.fmt.residual, 0) // g * g
         room = max(q_new, (capacity - self.fmt.residual) // g * g)
         kq = grown(self._empty(keys, 2), 0, room)
@@ -423,8 +434,7 @@ class QuantizedKVStorage(KVStorage):
             hi = min(lo + chunk, q_new)
             part = keys.gather(2, safe[:, :, lo:hi, None].expand(-1, -1, -1, keys.shape[-1]))
             self.meter.add(part)
-            real = self._key_range_slots(index[:, :, lo:hi])
-            put(kq, quantize(self.basis.keys_in(part, self._positions(lo, hi)), bits, g, 2, valid=real), lo)
+            put(kq, self._key_codes(part, lo), lo)
             self.meter.remove(part)
         n = k - q_new
         k_res = keys.new_zeros(b, h, self._residual_room(), keys.shape[-1])
@@ -444,9 +454,7 @@ class QuantizedKVStorage(KVStorage):
         what `settle` would store: values are quantized per token). A copy, a few bytes a token;
         metered while it lives."""
         vq = head_slots(self.vq, self.q_used)
-        res = self.basis.values_in(self.v_res[:, :, : used - self.q_used])
-        res = quantize(res, self.fmt.kv_bits, self._group(3), 3)
-        out = cat_slots(vq, res)
+        out = cat_slots(vq, self._value_codes(self.v_res[:, :, : used - self.q_used]))
         self.meter.add(*parts(out))
         return out
 
