@@ -42,6 +42,7 @@ PER_COMPRESSION = {
     "reasonalloc-snapkv": 6,
     "reasonalloc-head-rkv": 6,
     "beaconkv": 9,
+    "initial-recent": 6,
     "reasonalloc-beaconkv": 9,
     "rpc": 8,
 }

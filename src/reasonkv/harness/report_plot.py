@@ -27,6 +27,7 @@ METHOD_STYLES: dict[str, dict] = {
     "rkv": {"color": "#d62728", "marker": "D"},
     "rpc": {"color": "#17becf", "marker": "P"},
     "recent-query": {"color": "#2ca02c", "marker": "o"},
+    "initial-recent": {"color": "#98df8a", "marker": "d"},
     "random": {"color": "#e377c2", "marker": "X"},
     "pyramidkv": {"color": "#ffbb78", "marker": "h"},
     "pyramid-rkv": {"color": "#ff9896", "marker": "h"},

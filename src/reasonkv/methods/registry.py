@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from reasonkv.core.policy import (
     BeaconKVScorer,
     H2OScorer,
+    InitialRecentScorer,
     RandomScorer,
     RecentQueryScorer,
     RKVScorer,
@@ -203,6 +204,18 @@ register(
         "no beacons; sinks + recent kept; at B_max evict fraction·B_max",
         "BeaconKV's 32 recent + 0 beacons ablation, Kim et al. 2026, arXiv:2609.04971",
         RecentQueryScorer,
+        MaxMinThreshold,
+        defaults={"n_sink": 4, "n_recent": 16},
+    )
+)
+register(
+    MethodSpec(
+        "initial-recent",
+        "BeaconKV's Initial+Recent comparator: the first beacon_min generated queries of each head "
+        "(beacon_feed), kept forever (no FPS), rotated to the current position, and the recent queries "
+        "score keys (max over them and the GQA group); sinks + recent kept; at B_max evict fraction·B_max",
+        "BeaconKV's Initial+Recent comparator (Table 3), Kim et al. 2026, arXiv:2609.04971",
+        InitialRecentScorer,
         MaxMinThreshold,
         defaults={"n_sink": 4, "n_recent": 16},
     )

@@ -4,6 +4,7 @@ from reasonkv.core.policy.base import EMPTY, Observation
 from reasonkv.core.policy.contract import HeadAllocator, LayerView, PolicyState, Scorer, SplitRequest
 from reasonkv.core.policy.scorers.beacon import BeaconKVScorer
 from reasonkv.core.policy.scorers.h2o import H2OScorer
+from reasonkv.core.policy.scorers.initial_recent import InitialRecentScorer
 from reasonkv.core.policy.scorers.random import RandomScorer
 from reasonkv.core.policy.scorers.recent_query import RecentQueryScorer
 from reasonkv.core.policy.scorers.rkv import RKVScorer
@@ -18,6 +19,7 @@ __all__ = [
     "EMPTY",
     "H2OScorer",
     "HeadAllocator",
+    "InitialRecentScorer",
     "LayerView",
     "Observation",
     "PolicyState",

@@ -162,10 +162,7 @@ class BeaconKVScorer(Scorer):
     beacon_feed: Literal["all", "generated", "no_sinks"] = "generated"
 
     def __post_init__(self) -> None:
-        if not 1 <= self.beacon_min < self.beacon_max:
-            raise ValueError(
-                f"need 1 <= beacon_min < beacon_max, got {self.beacon_min} and {self.beacon_max}"
-            )
+        self._check_sizes()
         if self.recent < 1:
             raise ValueError(f"recent must be at least 1, got {self.recent}")
         if self.aggregation not in ("max", "mean"):
@@ -177,6 +174,13 @@ class BeaconKVScorer(Scorer):
         if self.beacon_feed not in ("all", "generated", "no_sinks"):
             raise ValueError(
                 f"beacon_feed must be 'all', 'generated' or 'no_sinks', got {self.beacon_feed!r}"
+            )
+
+    def _check_sizes(self) -> None:
+        """The buffer sizes fit continual FPS (a subclass with other upkeep checks its own)."""
+        if not 1 <= self.beacon_min < self.beacon_max:
+            raise ValueError(
+                f"need 1 <= beacon_min < beacon_max, got {self.beacon_min} and {self.beacon_max}"
             )
 
     @property
@@ -330,10 +334,16 @@ class BeaconKVScorer(Scorer):
         else:
             beacons = torch.cat([m.beacons for m in members])
             count = torch.cat([m.count for m in members])
-        beacons, count = add_points(beacons, count, points, valid, self.beacon_min)
+        beacons, count = self._admit(beacons, count, points, valid)
         rows = members[0].beacons.shape[0]
         for m, buf, cnt in zip(members, beacons.split(rows), count.split(rows), strict=True):
             m.beacons, m.count = buf, cnt
+
+    def _admit(
+        self, beacons: torch.Tensor, count: torch.Tensor, points: torch.Tensor, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """How fed points [B', X, P, D] (`valid` [B', X, P]) enter the buffers: continual FPS."""
+        return add_points(beacons, count, points, valid, self.beacon_min)
 
     # ------------------------------------------------------------------ scoring
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
