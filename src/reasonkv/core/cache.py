@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from reasonkv.core.layer import GROWTH_CHUNK, CompressedLayer, another_sequence
-from reasonkv.core.memory_meter import MemoryMeter
+from reasonkv.core.memory_meter import MemoryMeter, held_bytes
 from reasonkv.core.policy.contract import HeadAllocator, Scorer
 from reasonkv.core.policy.schedules import Schedule
 from reasonkv.core.quantize import KVFormat
@@ -179,6 +179,12 @@ class CompressedCache(Cache):
         self._fed_end = 0  # the sequence length they end at
         for layer in layers:
             layer.report = self.event_log.add
+        self._count_own()
+
+    def _count_own(self) -> None:
+        """What the cache itself holds beside its layers (budgets, the fed token ids), for the meter."""
+        own = [self.budgets] + ([] if self._fed_tail is None else [self._fed_tail])
+        self.kv_meter.hold_beside("cache", *held_bytes(own))
 
     @property
     def events(self) -> list[CompressionEvent]:
@@ -224,6 +230,7 @@ class CompressedCache(Cache):
         self.kv_meter.reset()  # a reused cache reports its new run's peak, not the last one's
         self.event_log.clear()  # and its own compressions
         self._fed_tail, self._fed_end = None, 0
+        self._count_own()
 
     @property
     def timer(self) -> StepTimer:
@@ -277,6 +284,8 @@ class CompressedCache(Cache):
             if not same:
                 raise another_sequence(held, "the new input does not begin with the tokens it was fed")
         self._fed_tail, self._fed_end = input_ids[:, -FED_TAIL:].clone(), input_ids.shape[1]
+        if tail is None or tail.shape != self._fed_tail.shape:
+            self._count_own()
 
     def check_continues(self, q: int, positions: torch.Tensor | None, padded: bool) -> None:
         """Called by layer 0's attention: this forward's tokens must continue the held sequence.
@@ -326,42 +335,54 @@ class CompressedCache(Cache):
 
     # ------------------------------------------------------------- reporting
     def memory(self) -> dict:
-        """physical_bytes (all cache tensors), kv_bytes (K and V storage), peak_kv_bytes (the most
-        K/V storage held at once so far, moments when a layer holds old and new storage
-        included), kv_bytes_16bit and peak_kv_bytes_16bit (the same with floating-point
-        elements at 16 bits, as served in bf16/fp16), event_bytes (host memory of the recorded
-        events, an estimate), total_bytes (physical_bytes + event_bytes: the cache's whole footprint),
-        live_tokens [layers, kv_heads] (per batch row, [B, L, H], when B > 1), low_tier_tokens
-        (the same for the low tier; None without one), seen_tokens. K/V bytes count both tiers."""
+        """What the cache holds, for the whole batch:
+
+        - state_bytes: everything held now, K/V and all beside it (slot indices, query windows,
+          beacon buffers, per-token scores, policy states, counters); peak_state_bytes: the most
+          at once so far (what decides how many sequences fit); both also `_16bit`, with
+          floating-point elements at 16 bits, as served in bf16/fp16. physical_bytes is
+          state_bytes (its older name).
+        - kv_bytes (K and V storage, both tiers), peak_kv_bytes (the most K/V storage held at once
+          so far, moments when a layer holds old and new storage included), and both `_16bit`.
+        - event_bytes (host memory of the recorded events, an estimate), total_bytes
+          (state_bytes + event_bytes: the cache's whole footprint).
+        - live_tokens [layers, kv_heads] (per batch row, [B, L, H], when B > 1), low_tier_tokens
+          (the same for the low tier; None without one), seen_tokens.
+        """
         events = self.event_log.nbytes()
+        meter = self.kv_meter
+        held = {
+            "state_bytes": meter.state,
+            "state_bytes_16bit": meter.state_16bit,
+            "peak_state_bytes": meter.peak_state,
+            "peak_state_bytes_16bit": meter.peak_state_16bit,
+            "physical_bytes": meter.state,
+            "total_bytes": meter.state + events,
+            "event_bytes": events,
+        }
         layers = [layer for layer in self.layers if layer.is_initialized and layer.storage.allocated]
         if not layers:
             return {
-                "physical_bytes": 0,
+                **held,
                 "kv_bytes": 0,
                 "peak_kv_bytes": 0,
                 "kv_bytes_16bit": 0,
                 "peak_kv_bytes_16bit": 0,
-                "event_bytes": events,
-                "total_bytes": events,
                 "live_tokens": None,
                 "low_tier_tokens": None,
                 "seen_tokens": 0,
             }
         kv = sum(layer.kv_bytes() for layer in layers)
         kv_16bit = sum(layer.kv_bytes(at_16bit=True) for layer in layers)
-        total = sum(t.numel() * t.element_size() for layer in layers for t in layer.tensors())
         live = torch.stack([layer.n_valid.cpu() for layer in layers], dim=1)  # [B, L, H]
         low = [layer.low_tier_tokens for layer in layers]
         low = None if low[0] is None else torch.stack([n.cpu() for n in low], dim=1)
         return {
-            "physical_bytes": total,
+            **held,
             "kv_bytes": kv,
-            "peak_kv_bytes": self.kv_meter.peak,
+            "peak_kv_bytes": meter.peak,
             "kv_bytes_16bit": kv_16bit,
-            "peak_kv_bytes_16bit": self.kv_meter.peak_16bit,
-            "event_bytes": events,
-            "total_bytes": total + events,
+            "peak_kv_bytes_16bit": meter.peak_16bit,
             "live_tokens": live[0] if live.shape[0] == 1 else live,
             "low_tier_tokens": None if low is None else low[0] if low.shape[0] == 1 else low,
             "seen_tokens": layers[0].seen,

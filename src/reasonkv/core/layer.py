@@ -23,7 +23,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from reasonkv.core.kv_basis import QuantizationBasis
 from reasonkv.core.low_tier import LowTier, evicted
-from reasonkv.core.memory_meter import MemoryMeter
+from reasonkv.core.memory_meter import MemoryMeter, held_bytes
 from reasonkv.core.policy.base import EMPTY, Observation
 from reasonkv.core.policy.contract import HeadAllocator, PolicyState, Scorer, SplitRequest
 from reasonkv.core.policy.selection import evict_one, protected_mask, select_tokens
@@ -154,6 +154,7 @@ class CompressedLayer(CacheLayerMixin):
         self.compressions: torch.Tensor | None = None  # [B] compressions each row took part in
         self.n_compressions = 0  # compressions of this layer (any rows)
         self.is_initialized = False
+        self.meter.hold_beside(self.layer_idx, 0, 0)
 
     def reset(self) -> None:
         self._reset_state()
@@ -279,9 +280,15 @@ class CompressedLayer(CacheLayerMixin):
     def after_attention(self, query: torch.Tensor, positions: torch.Tensor | None, scaling: float) -> None:
         with self.timer.section("after_attention"):
             self._after_attention(query, positions, scaling)
+            self._new_valid = None  # this step's padding, read: not held past the step
             self.storage.settle()
             if self.low_tier is not None:
                 self.low_tier.drop_view()
+            self._count_beside()
+
+    def _count_beside(self) -> None:
+        """Tell the meter what the layer now holds beside K/V (at the end of each step)."""
+        self.meter.hold_beside(self.layer_idx, *held_bytes(self.beside_tensors()))
 
     def _after_attention(self, query: torch.Tensor, positions: torch.Tensor | None, scaling: float) -> None:
         self.pending = False
@@ -460,6 +467,7 @@ class CompressedLayer(CacheLayerMixin):
         self.compressions = self.compressions.index_select(0, rows)
         self.window.select_rows(rows)
         self.states.select_rows(rows)
+        self._count_beside()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
@@ -480,12 +488,22 @@ class CompressedLayer(CacheLayerMixin):
         )
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the layer holds: storage, query window, and its policies' tensors."""
+        """Every tensor the layer holds: K/V of both tiers and everything beside them."""
         if self.storage is None:
             return []
-        out = self.storage.tensors() + self.window.tensors() + [self.compressions]
-        if self.low_tier is not None:
-            out += self.low_tier.tensors()
+        low = [] if self.low_tier is None else self.low_tier.tensors()
+        return self.storage.tensors() + low + self._own_tensors()
+
+    def beside_tensors(self) -> list[torch.Tensor]:
+        """What the layer holds beside K/V: slot indices, per-token state and counts (both tiers),
+        the query window, its budgets and counters, and its policies' states."""
+        if self.storage is None:
+            return []
+        low = [] if self.low_tier is None else self.low_tier.beside_tensors()
+        return self.storage.beside_tensors() + low + self._own_tensors()
+
+    def _own_tensors(self) -> list[torch.Tensor]:
+        out = self.window.tensors() + [self.compressions, self.budgets, self.targets]
         for state in (self.states.scorer, self.states.schedule, self.states.head_allocator):
             if state is not None:
                 out += [v for v in vars(state).values() if isinstance(v, torch.Tensor)]

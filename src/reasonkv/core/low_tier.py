@@ -215,7 +215,11 @@ class LowTier:
         self.scores = self.scores.index_select(0, rows)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self._kv_tensors(), self.token_index, self.scores]
+        return [*self._kv_tensors(), *self.beside_tensors()]
+
+    def beside_tensors(self) -> list[torch.Tensor]:
+        """What the tier holds beside its codes: each slot's sequence index and score."""
+        return [self.token_index, self.scores]
 
     def release(self) -> None:
         self.drop_view()

@@ -523,8 +523,12 @@ class QuantizedKVStorage(KVStorage):
         return super().kv_bytes_16bit() + sum(map(tensor_bytes_16bit, self._sink_tensors()))
 
     def tensors(self) -> list[torch.Tensor]:
-        ts = [*self._kv_tensors(), *self._sink_tensors(), self.token_index, *self.token_state.values()]
-        return [t for t in ts if t is not None]
+        return [*self._kv_tensors(), *self._sink_tensors(), *self.beside_tensors()]
+
+    def beside_tensors(self) -> list[torch.Tensor]:
+        extra = [t for t in (self.position_offset, self._offsets_hold) if t is not None]
+        sinks = [] if self.sinks is None else [self.sinks.index]  # their K/V are metered as K/V
+        return super().beside_tensors() + extra + sinks
 
     def release(self) -> None:
         self._drop_view()

@@ -44,9 +44,12 @@ class QueryWindow:
             self.query_index = index[:, -size:].clone()
             self.query_positions = positions[:, -size:].clone()
         else:
-            self.queries = torch.cat([self.queries, query.detach()], dim=2)[:, :, -size:]
-            self.query_index = torch.cat([self.query_index, index], dim=1)[:, -size:]
-            self.query_positions = torch.cat([self.query_positions, positions], dim=1)[:, -size:]
+            # The oldest go before the join, so the new tensors hold exactly what is kept (a
+            # slice of the joined ones would keep a query more alive).
+            drop = max(self.queries.shape[2] + query.shape[2] - size, 0)
+            self.queries = torch.cat([self.queries[:, :, drop:], query.detach()], dim=2)
+            self.query_index = torch.cat([self.query_index[:, drop:], index], dim=1)
+            self.query_positions = torch.cat([self.query_positions[:, drop:], positions], dim=1)
 
     def last(self, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The newest `n` kept queries with their indices and positions."""
@@ -61,4 +64,5 @@ class QueryWindow:
                 setattr(self, name, t.index_select(0, rows.to(t.device)))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.queries, self.query_index, self.query_positions) if t is not None]
+        ts = (self.queries, self.query_index, self.query_positions, self.prompt_end)
+        return [t for t in ts if t is not None]

@@ -239,7 +239,12 @@ class KVStorage:
         self.token_state = {n: t.index_select(0, rows.to(t.device)) for n, t in self.token_state.items()}
 
     def tensors(self) -> list[torch.Tensor]:
-        ts = [self.keys, self.values, self.token_index, *self.token_state.values()]
+        return self._kv_tensors() + self.beside_tensors()
+
+    def beside_tensors(self) -> list[torch.Tensor]:
+        """What the storage holds beside K/V: each slot's sequence index, per-token state, and the
+        per-head counts."""
+        ts = [self.token_index, *self.token_state.values(), self.lengths, self.n_valid]
         return [t for t in ts if t is not None]
 
     def _kv_tensors(self) -> list[torch.Tensor]:

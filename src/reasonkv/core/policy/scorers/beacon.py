@@ -336,8 +336,13 @@ class BeaconKVScorer(Scorer):
             count = torch.cat([m.count for m in members])
         beacons, count = self._admit(beacons, count, points, valid)
         rows = members[0].beacons.shape[0]
+        if len(members) == 1:
+            members[0].beacons, members[0].count = beacons, count
+            return
+        # Copies, not views of the stacked tensors: each layer then holds its own buffers (and
+        # only them), and the stack is freed.
         for m, buf, cnt in zip(members, beacons.split(rows), count.split(rows), strict=True):
-            m.beacons, m.count = buf, cnt
+            m.beacons, m.count = buf.clone(), cnt.clone()
 
     def _admit(
         self, beacons: torch.Tensor, count: torch.Tensor, points: torch.Tensor, valid: torch.Tensor
