@@ -83,24 +83,27 @@ def capacity_markdown(record: dict, source: str = "") -> str:
     ]
     rows = []
     for r in cap["runs"]:
-        pred = r.get("predicted_peak_kv_bytes_per_sequence")
+        # Records before the state meter planned and measured K/V alone.
+        held = "state" if "peak_state_bytes" in r else "kv"
+        pred = r.get(f"predicted_peak_{held}_bytes_per_sequence")
         rows.append(
             [
                 r["label"],
                 "-" if pred is None else format_bytes(pred),
-                format_bytes(r["peak_kv_bytes_per_sequence"]),
+                format_bytes(r[f"peak_{held}_bytes_per_sequence"]),
                 str(r["batch"]),
-                format_bytes(r["peak_kv_bytes"]) + (" OVER" if r.get("over_limit") else ""),
+                format_bytes(r[f"peak_{held}_bytes"]) + (" OVER" if r.get("over_limit") else ""),
                 f"{r['aggregate_tokens_per_second']:.1f}",
                 "-" if r.get("aggregate_ratio") is None else f"{r['aggregate_ratio']:.2f}",
             ]
         )
+    what = "held" if all("peak_state_bytes" in r for r in cap["runs"]) else "K/V"
     header = [
         "run",
-        "peak K/V per seq (predicted)",
+        f"peak {what} per seq (predicted)",
         "measured",
         "batch",
-        "batch peak K/V",
+        f"batch peak {what}",
         "agg tok/s",
         "× full",
     ]

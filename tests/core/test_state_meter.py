@@ -19,6 +19,7 @@ from reasonkv.core.memory_meter import held_bytes
 from reasonkv.core.policy.contract import Allocator, HeadAllocator, Scorer
 from reasonkv.core.policy.schedules import Schedule
 from reasonkv.core.timing import StepTimer
+from reasonkv.methods.knobs import KnobError
 
 METHODS = sorted(reasonkv.available_methods())
 STORAGE = {
@@ -85,7 +86,7 @@ def test_the_meter_counts_every_tensor_the_cache_holds(method: str, storage: str
     model = tiny_model("llama", "sdpa", 2)
     try:
         cache = _cache(model, method, 24, **STORAGE[storage])
-    except reasonkv.KnobError as err:  # a setting the method refuses (said so, in one line)
+    except KnobError as err:  # a setting the method refuses (said so, in one line)
         pytest.skip(f"{method} refuses {storage}: {err}")
     ids, mask = left_pad([random_prompt(20, seed=3)[0], random_prompt(13, seed=4)[0]])
     seen = []

@@ -143,14 +143,22 @@ def test_plan_batches_fits_the_memory_and_names_a_run_that_does_not_fit() -> Non
     runs = [run_of("full"), run_of("snapkv", **KNOBS)]
     per_slot = bench.slot_bytes(model)
     assert per_slot == 2 * 2 * 16 * 4  # K and V, 2 KV heads of dim 16, fp32
-    full_peak = N_LAYERS * (PROMPT + 256) * per_slot  # prompt 10 + 40: a chunk past the prompt
-    snap_peak = (N_LAYERS + 1) * 32 * per_slot  # 24 + 8 slots, one layer twice while compacting
-    plans = bench.plan_batches(model, runs, PROMPT, 40, memory=2 * full_peak + 1, batch=None)
-    assert [p.per_sequence for p in plans] == [full_peak, snap_peak]
-    assert [p.batch for p in plans] == [2, (2 * full_peak + 1) // snap_peak]
+    full_kv = N_LAYERS * (PROMPT + 256) * per_slot  # prompt 10 + 40: a chunk past the prompt
+    # Beside it, a layer holds each slot's index (2 KV heads, int64), its 2 heads' lengths and
+    # real-token counts, its one kept query (4 heads x 16, fp32) with its index and position, the
+    # prompt's end and its compression count; whatever the batch, the cache holds its budgets
+    # [layers, heads] and each layer its heads' budgets and targets (int64).
+    beside = (PROMPT + 256) * 2 * 8 + 2 * 2 * 8 + (4 * 16 * 4 + 8 + 8) + 8 + 8
+    full_peak, per_cache = full_kv + N_LAYERS * beside, N_LAYERS * 2 * 8 + N_LAYERS * 2 * 2 * 8
+    plans = bench.plan_batches(model, runs, PROMPT, 40, memory=2 * full_peak + per_cache, batch=None)
+    assert plans[0].per_sequence == full_peak and plans[0].per_cache == per_cache
+    snap_kv = (N_LAYERS + 1) * 32 * per_slot  # 24 + 8 slots, one layer twice while compacting
+    snap_peak = plans[1].per_sequence
+    assert snap_kv < snap_peak  # what it holds beside: its meter and this prediction agree (below)
+    assert [p.batch for p in plans] == [2, (2 * full_peak) // snap_peak]
     capped = bench.plan_batches(model, runs, PROMPT, 40, memory=2 * full_peak, batch=None, max_batch=4)
-    assert [p.batch for p in capped] == [2, 4]
-    with pytest.raises(ValueError, match=r"full: one sequence needs 133.0 KiB of peak K/V at 10 \+ 40"):
+    assert [p.batch for p in capped] == [1, 4]
+    with pytest.raises(ValueError, match=r"full: one sequence holds 141.9 KiB at its peak .* at 10 \+ 40"):
         bench.plan_batches(model, runs, PROMPT, 40, memory=full_peak - 1, batch=None)
     with pytest.raises(ValueError, match="needs a memory limit"):
         bench.plan_batches(model, runs, PROMPT, 40, memory=None, batch=None)
@@ -201,7 +209,7 @@ def test_a_batch_capacity_run_fits_its_memory_and_reports_each_run() -> None:
     prompt = random_prompt(PROMPT, 9)
     n = 40
     runs = [run_of("full"), run_of("snapkv", **KNOBS), run_of("streaming"), run_of("beaconkv")]
-    full_peak = N_LAYERS * (PROMPT + 256) * bench.slot_bytes(model)
+    full_peak = N_LAYERS * (PROMPT + 256) * bench.slot_bytes(model)  # its K/V; it holds more beside
     memory = 2 * full_peak + full_peak // 2  # full fits twice
     plans = bench.plan_batches(model, runs, PROMPT, n, memory=memory, batch=None)
     record = bench.run_batch_capacity(model, prompt, plans, n, memory=memory, max_batch=bench.MAX_BATCH)
@@ -212,9 +220,10 @@ def test_a_batch_capacity_run_fits_its_memory_and_reports_each_run() -> None:
     assert [r["label"] for r in results] == ["full", "snapkv@24", "streaming@24", "beaconkv@24"]
     assert results[0]["batch"] == 2 and all(r["batch"] > 2 for r in results[1:])
     for r in results:
-        assert r["peak_kv_bytes"] <= memory and r["over_limit"] is False
-        assert r["peak_kv_bytes"] == r["predicted_peak_kv_bytes"] and r["prediction_exact"] is True
+        assert r["peak_kv_bytes"] < r["peak_state_bytes"] <= memory and r["over_limit"] is False
+        assert r["peak_state_bytes"] == r["predicted_peak_state_bytes"] and r["prediction_exact"] is True
         assert r["peak_kv_bytes_per_sequence"] * r["batch"] == r["peak_kv_bytes"]
+        assert r["peak_state_bytes_per_sequence"] == r["predicted_peak_state_bytes_per_sequence"]
         assert r["rows_agree"] is True and len(r["step_seconds"]) == n
         assert r["aggregate_tokens_per_second"] == pytest.approx(r["batch"] * r["tokens_per_second"])
         assert r["batch_ratio"] == r["batch"] / 2

@@ -266,6 +266,14 @@ def test_peak_memory_of_a_replay_is_what_the_cache_held_at_most() -> None:
         [ReplayRun("snapkv", 16, {"interval": 8, "kv_bits": 4, "group_size": 8, "residual": 8})],
     )
     assert quant.mean_kv_bytes_16bit > quant.mean_kv_bytes / 2  # its uint8 codes are not halved
+    # Everything a sequence holds is more than its K/V: BeaconKV's beacon buffers alone (4 query
+    # heads x 32 beacons x head dim 16, fp32, a layer) are beside it at its peak.
+    for r in (full, snap, beacon, h2o, quant):
+        assert r.decode_peak_state_bytes > r.decode_peak_kv_bytes
+        assert r.decode_peak_state_bytes_16bit > r.decode_peak_kv_bytes_16bit
+        assert r.peak_state_bytes >= r.decode_peak_state_bytes
+    beacons = N_LAYERS * 4 * 32 * 16 * 4
+    assert beacon.decode_peak_state_bytes - beacon.decode_peak_kv_bytes > beacons
     assert snap.live_tokens < snap.decode_peak_live_tokens
     # A prompt longer than the budget is held whole for its forward: the peak over the whole
     # run says so, the peak while decoding does not.

@@ -254,6 +254,10 @@ def test_sweep_writes_one_line_per_unit_and_a_rerun_does_nothing(tmp_path) -> No
     # fp32 and unquantized: every K/V value counts 2 bytes at 16 bits instead of 4.
     for key in ("peak_kv_bytes", "decode_peak_kv_bytes", "mean_kv_bytes"):
         assert snap["metrics"][f"{key}_16bit"] == snap["metrics"][key] / 2 > 0
+    # ...and everything it holds beside (indices, query window) is recorded too, more than its K/V.
+    for key in ("peak", "decode_peak"):
+        assert snap["metrics"][f"{key}_state_bytes"] > snap["metrics"][f"{key}_kv_bytes"]
+        assert snap["metrics"][f"{key}_state_bytes_16bit"] > snap["metrics"][f"{key}_kv_bytes_16bit"]
     assert LOADS == ["tiny"]  # one model load for the whole sweep
 
     before = out.read_bytes()

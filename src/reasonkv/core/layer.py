@@ -202,6 +202,11 @@ class CompressedLayer(CacheLayerMixin):
         """[B, H, used] sequence index per stored slot (EMPTY: padding or a hole)."""
         return None if self.storage is None else self.storage.token_index[:, :, : self.storage.used]
 
+    @property
+    def window_keep(self) -> int:
+        """The most queries the layer's window keeps: what its scorer reads, and its backlog."""
+        return self._window_keep
+
     # The query window, as earlier code and tests read it.
     queries = property(lambda self: self.window.queries)
     query_index = property(lambda self: self.window.query_index)

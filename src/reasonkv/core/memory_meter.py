@@ -83,6 +83,10 @@ class MemoryMeter:
         self.beside_16bit += n_bytes_16bit - old_16bit
         self._state_peaks()
 
+    def beside_of(self, owner: object) -> int:
+        """What `owner` held beside K/V at its last count (bytes, as held)."""
+        return self._beside.get(owner, (0, 0))[0]
+
     @property
     def state(self) -> int:
         """Everything held now: K/V and what is held beside it."""

@@ -64,5 +64,8 @@ class QueryWindow:
                 setattr(self, name, t.index_select(0, rows.to(t.device)))
 
     def tensors(self) -> list[torch.Tensor]:
-        ts = (self.queries, self.query_index, self.query_positions, self.prompt_end)
-        return [t for t in ts if t is not None]
+        return self.query_tensors() + ([] if self.prompt_end is None else [self.prompt_end])
+
+    def query_tensors(self) -> list[torch.Tensor]:
+        """The kept queries with their sequence indices and positions."""
+        return [t for t in (self.queries, self.query_index, self.query_positions) if t is not None]

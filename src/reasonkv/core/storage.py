@@ -244,7 +244,11 @@ class KVStorage:
     def beside_tensors(self) -> list[torch.Tensor]:
         """What the storage holds beside K/V: each slot's sequence index, per-token state, and the
         per-head counts."""
-        ts = [self.token_index, *self.token_state.values(), self.lengths, self.n_valid]
+        return self.slot_tensors() + [self.lengths, self.n_valid]
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """What the storage holds a slot beside K/V: the slot's sequence index and per-token state."""
+        ts = [self.token_index, *self.token_state.values()]
         return [t for t in ts if t is not None]
 
     def _kv_tensors(self) -> list[torch.Tensor]:

@@ -99,6 +99,15 @@ def compare_logits(
 
 
 # --------------------------------------------------------------------- results
+STATE_PEAKS = (
+    "peak_state_bytes",
+    "decode_peak_state_bytes",
+    "peak_state_bytes_16bit",
+    "decode_peak_state_bytes_16bit",
+)
+"""The per-sequence peaks of everything a cache holds, as a replay result and a sweep record name them."""
+
+
 @dataclass(frozen=True)
 class ReplayRun:
     """One method setting to replay: method name, budget (None for `full`), knobs."""
@@ -145,6 +154,12 @@ class ReplayResult:
     peak_kv_bytes_16bit: float = 0.0
     decode_peak_kv_bytes_16bit: float = 0.0
     mean_kv_bytes_16bit: float = 0.0
+    # Everything a sequence holds (K/V, slot indices, query windows, beacons, scores, policy
+    # state): its peaks, as run and at 16 bits. This is what decides how many sequences fit.
+    peak_state_bytes: float = 0.0
+    decode_peak_state_bytes: float = 0.0
+    peak_state_bytes_16bit: float = 0.0
+    decode_peak_state_bytes_16bit: float = 0.0
     forwards: int = 0
     compressions: int = 0
     """Compression events over the trace, all layers together."""
@@ -175,6 +190,7 @@ class ReplayResult:
             "peak_kv_bytes_16bit": self.peak_kv_bytes_16bit,
             "decode_peak_kv_bytes_16bit": self.decode_peak_kv_bytes_16bit,
             "mean_kv_bytes_16bit": self.mean_kv_bytes_16bit,
+            **{name: getattr(self, name) for name in STATE_PEAKS},
             "forwards": self.forwards,
             "compressions": self.compressions,
             "seconds": self.seconds,
@@ -284,7 +300,7 @@ class _Lane:
     records: list[dict[str, torch.Tensor]] = field(default_factory=list)
     live_weighted: torch.Tensor | None = None  # [B] live tokens summed over positions
     peak_live: torch.Tensor | None = None  # [B] over the trace positions
-    prefill_peak_kv: tuple[int, int] = (0, 0)  # the meter's peaks during the prompt's forward
+    prefill_peak_kv: tuple[int, int, int, int] = (0, 0, 0, 0)  # the meter's peaks in the prompt's forward
     kv_weighted: torch.Tensor | None = None  # [B] K/V bytes per row summed over positions
     kv_weighted_16bit: torch.Tensor | None = None  # the same at 16 bits
     forwards: int = 0
@@ -418,6 +434,10 @@ def replay_batch(
                     peak_kv_bytes_16bit=max(lane.prefill_peak_kv[1], meter.peak_16bit) / rows,
                     decode_peak_kv_bytes_16bit=meter.peak_16bit / rows,
                     mean_kv_bytes_16bit=float(lane.kv_weighted_16bit[r]) / n,
+                    peak_state_bytes=max(lane.prefill_peak_kv[2], meter.peak_state) / rows,
+                    decode_peak_state_bytes=meter.peak_state / rows,
+                    peak_state_bytes_16bit=max(lane.prefill_peak_kv[3], meter.peak_state_16bit) / rows,
+                    decode_peak_state_bytes_16bit=meter.peak_state_16bit / rows,
                     forwards=lane.forwards,
                     compressions=int(row_compressions[r]),
                     seconds=lane.seconds / rows,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.core.cache import GROWTH_CHUNK, CompressedCache
+from reasonkv.core.memory_meter import held_bytes
 from reasonkv.core.models import model_shape
 from reasonkv.harness.bench.decode import Progress, decode_many, eos_ids, reference_tokens
 from reasonkv.harness.bench.memory import release_memory
@@ -87,6 +88,36 @@ def peak_slots(layers: list[Allocations], since: int = 0) -> int:
     return max(peak, total)
 
 
+def peak_held(
+    layers: list[Allocations],
+    n_steps: int,
+    since: int,
+    kv_bytes: int,
+    beside: list[Callable[[int, int], int]],
+) -> int:
+    """The most bytes one sequence holds at once from step `since` on, K/V and all beside it, as
+    the cache's meter counts them: `kv_bytes` per K/V slot held (`layers`' reallocations, steps 0
+    to `n_steps`) and what each layer holds beside K/V as it last recounted it (a layer recounts
+    at the end of its step: `beside[i](slots, step)` for layer i of `slots` slots after `step`)."""
+    total = 0
+    peak = 0
+    recounted = [0] * len(layers)  # what each layer held beside K/V at its last recount
+    capacity = [0] * len(layers)
+    for step in range(n_steps + 1):
+        if 0 < step and since <= step:  # what is held when the step begins
+            peak = max(peak, total * kv_bytes + sum(recounted))
+        for i, events in enumerate(layers):
+            for old, new in events.get(step, ()):
+                if step >= since:  # the old and new storage held together
+                    peak = max(peak, (total + new) * kv_bytes + sum(recounted))
+                total += new - old
+                capacity[i] = new
+            recounted[i] = beside[i](capacity[i], step)
+            if step >= since:
+                peak = max(peak, total * kv_bytes + sum(recounted))
+    return peak
+
+
 def unpredictable(cache: CompressedCache, compresses: bool) -> str | None:
     """Why `peak_kv_slots` cannot follow this cache's schedule (None: it can)."""
     policy = cache.policy
@@ -125,6 +156,72 @@ def peak_kv_slots(
     return peak_slots([stepped[key] for key in keys], since=1 if decode_only else 0)
 
 
+@dataclass(frozen=True)
+class StateShape:
+    """What a cache holds beside K/V for one sequence, per layer, read off a cache that has taken
+    one token: bytes a slot of its index and per-token state, bytes a kept query (with its index
+    and position), bytes a row that do not grow (policy state, counters), the queries kept at
+    most; and what it holds whatever the batch (budgets)."""
+
+    slot: list[int]
+    query: list[int]
+    other: list[int]
+    window: list[int]
+    own: int
+
+    def beside(self, layer: int, prompt: int) -> Callable[[int, int], int]:
+        """Layer `layer`'s bytes beside K/V, one sequence, at `slots` slots after step `step`."""
+        slot, query, other, window = (
+            self.slot[layer],
+            self.query[layer],
+            self.other[layer],
+            self.window[layer],
+        )
+        return lambda slots, step: slots * slot + other + query * min(prompt + step, window)
+
+
+def state_shape(model, fresh: CompressedCache) -> StateShape:
+    """Read a StateShape off `fresh` (a new cache of the method) by feeding it one token."""
+    with torch.no_grad():
+        model(input_ids=torch.ones(1, 1, dtype=torch.long, device=model.device), cache=fresh)
+    meter = fresh.kv_meter
+    slot, query, other, window, own = [], [], [], [], meter.beside_of("cache")
+    for layer in fresh.layers:
+        storage, shared = layer.storage, held_bytes([layer.budgets, layer.targets])[0]
+        slot.append(held_bytes(storage.slot_tensors())[0] // storage.capacity)
+        query.append(held_bytes(layer.window.query_tensors())[0])  # the one query kept
+        other.append(meter.beside_of(layer.layer_idx) - slot[-1] * storage.capacity - query[-1] - shared)
+        window.append(layer.window_keep)
+        own += shared
+    return StateShape(slot, query, other, window, own)
+
+
+def peak_state_bytes(
+    model,
+    cache: CompressedCache,
+    fresh: CompressedCache,
+    prompt: int,
+    n: int,
+    *,
+    compresses: bool = True,
+    decode_only: bool = False,
+) -> tuple[int, int]:
+    """Peak bytes of everything one sequence of `prompt` tokens decoding `n` more holds (K/V,
+    slot indices, query windows, policy state), predicted as `peak_kv_slots` predicts its K/V,
+    and what the cache holds whatever its batch: (per sequence, per cache). `cache` and `fresh`
+    are two new caches of the method (the second is fed a token to read its shapes). A
+    ValueError says why it cannot be predicted."""
+    reason = unpredictable(cache, compresses)
+    if reason is not None:
+        raise ValueError(f"cannot predict the peak state of {cache.method} from its schedule: {reason}")
+    shape = state_shape(model, fresh)
+    keys = [(x.plan.trigger_max, min(x.plan.targets), x.plan.hole_slots) for x in cache.layers]
+    stepped = {key: layer_allocations(prompt, n, *key) for key in set(keys)}
+    layers = [stepped[key] for key in keys]
+    beside = [shape.beside(i, prompt) for i in range(len(layers))]
+    return peak_held(layers, n, 1 if decode_only else 0, slot_bytes(model), beside), shape.own
+
+
 def slot_bytes(model) -> int:
     """K/V bytes of one slot of one layer (every KV head's key and value) in the model's dtype."""
     shape = model_shape(model)
@@ -144,11 +241,18 @@ def capacity_batch(memory: int, per_sequence: int, max_batch: int = MAX_BATCH) -
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """One run's batch: its predicted peak K/V per sequence (None: not predictable) and batch."""
+    """One run's batch: the predicted peak of everything one sequence holds (None: not
+    predictable), what the cache holds whatever its batch, and the batch."""
 
     run: BenchRun
     per_sequence: int | None
     batch: int
+    per_cache: int = 0
+
+    @property
+    def predicted(self) -> int | None:
+        """The batch's predicted peak state (None: not predictable)."""
+        return None if self.per_sequence is None else self.batch * self.per_sequence + self.per_cache
 
 
 def plan_batches(
@@ -167,26 +271,29 @@ def plan_batches(
     sequence does not fit."""
     if batch is None and memory is None:
         raise ValueError("batch auto needs a memory limit")
-    per_slot = slot_bytes(model)
     plans = []
     for run in runs:
-        cache = make_cache(model, run.method, run.budget, **run.knobs)
+
+        def fresh(run: BenchRun = run) -> CompressedCache:
+            return make_cache(model, run.method, run.budget, **run.knobs)
+
         try:
-            per_sequence = per_slot * peak_kv_slots(cache, prompt, n, compresses=not is_reference(run.method))
+            per_sequence, per_cache = peak_state_bytes(
+                model, fresh(), fresh(), prompt, n, compresses=not is_reference(run.method)
+            )
         except ValueError as err:
             if batch is None:
                 raise ValueError(f"{run.label}: {err}; give a fixed batch instead") from None
-            per_sequence = None
-        del cache
+            per_sequence, per_cache = None, 0
         chosen = batch
         if chosen is None:
-            chosen = capacity_batch(memory, per_sequence, max_batch or MAX_BATCH)
+            chosen = capacity_batch(memory - per_cache, per_sequence, max_batch or MAX_BATCH)
             if chosen == 0:
                 raise ValueError(
-                    f"{run.label}: one sequence needs {format_bytes(per_sequence)} of peak K/V at "
-                    f"{prompt} + {n} tokens, more than the {format_bytes(memory)} given"
+                    f"{run.label}: one sequence holds {format_bytes(per_sequence)} at its peak (K/V and "
+                    f"all beside it) at {prompt} + {n} tokens, more than the {format_bytes(memory)} given"
                 )
-        plans.append(BatchPlan(run, per_sequence, chosen))
+        plans.append(BatchPlan(run, per_sequence, chosen, per_cache))
     return plans
 
 
@@ -228,8 +335,9 @@ def measure_batches(
         )
         for (plan, _), cache, trace in zip(group, built, traces, strict=True):
             decode_seconds = sum(trace.step_seconds)
-            measured = cache.kv_meter.peak  # every row holds alike: a multiple of the batch
-            predicted = None if plan.per_sequence is None else plan.batch * plan.per_sequence
+            # Every row holds alike: a multiple of the batch, and the cache's own bytes beside.
+            measured = cache.kv_meter.peak_state
+            predicted = plan.predicted
             rows = trace.predicted_rows
             agree = (trace.predicted[: n - 1] == tokens[1:n].cpu()).double()
             results.append(
@@ -242,10 +350,12 @@ def measure_batches(
                     "decode_seconds": decode_seconds,
                     "tokens_per_second": n / max(decode_seconds, 1e-12),
                     "aggregate_tokens_per_second": plan.batch * n / max(decode_seconds, 1e-12),
-                    "predicted_peak_kv_bytes_per_sequence": plan.per_sequence,
-                    "predicted_peak_kv_bytes": predicted,
-                    "peak_kv_bytes": measured,
-                    "peak_kv_bytes_per_sequence": measured // plan.batch,
+                    "predicted_peak_state_bytes_per_sequence": plan.per_sequence,
+                    "predicted_peak_state_bytes": predicted,
+                    "peak_state_bytes": measured,
+                    "peak_state_bytes_per_sequence": (measured - plan.per_cache) // plan.batch,
+                    "peak_kv_bytes": cache.kv_meter.peak,
+                    "peak_kv_bytes_per_sequence": cache.kv_meter.peak // plan.batch,
                     "prediction_exact": None if predicted is None else measured == predicted,
                     "kv_memory_bytes": memory,
                     "over_limit": None if memory is None else measured > memory,

@@ -42,12 +42,7 @@ def release_memory() -> None:
 
 
 def cache_bytes(cache: CompressedCache) -> tuple[int, int]:
-    """(K/V bytes, all cache tensors' bytes), exactly as cache.memory() counts them, without
+    """(K/V bytes, everything the cache holds), exactly as cache.memory() counts them, without
     its per-head live counts (cheap enough to call between steps)."""
-    kv = total = 0
-    for layer in cache.layers:
-        if not layer.is_initialized or not layer.storage.allocated:
-            continue
-        kv += layer.kv_bytes()
-        total += sum(t.numel() * t.element_size() for t in layer.tensors())
-    return kv, total
+    kv = sum(layer.kv_bytes() for layer in cache.layers if layer.is_initialized and layer.storage.allocated)
+    return kv, cache.kv_meter.state

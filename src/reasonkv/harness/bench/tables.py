@@ -119,14 +119,15 @@ def capacity_table(record: dict):
     table = Table(
         title=f"batch capacity · {limit} · {how} · prompt {record['prompt_tokens']} + "
         f"{section['target_tokens']} forced tokens",
-        caption="pred/seq, peak/seq: one sequence's peak K/V, predicted from the schedule before "
-        "decoding, and measured by the cache's meter (the batch's peak / batch). batch KV: the whole batch's "
-        "measured peak K/V (OVER: above the limit). agg tok/s: batch × tokens / decode seconds; × full: "
+        caption="pred/seq, peak/seq: the peak of everything one sequence holds (K/V, slot indices, query "
+        "windows, beacons, policy state), predicted from the schedule before decoding, and measured by the "
+        "cache's meter (the batch's peak / batch). batch held: the whole batch's measured peak (OVER: above "
+        "the limit). agg tok/s: batch × tokens / decode seconds; × full: "
         "its ratio to the full cache's. rows: every row predicted the same tokens.",
         box=box.SIMPLE_HEAD,
         caption_justify="left",
     )
-    cols = ("run", "pred/seq", "peak/seq", "batch", "batch KV")
+    cols = ("run", "pred/seq", "peak/seq", "batch", "batch held")
     cols += ("agg tok/s", "× full", "tok/s/seq", "rows")
     rows, styles = [], []
     for r in section["runs"]:
@@ -134,10 +135,10 @@ def capacity_table(record: dict):
         rows.append(
             [
                 r["label"],
-                format_bytes(r["predicted_peak_kv_bytes_per_sequence"]),
-                format_bytes(r["peak_kv_bytes_per_sequence"]),
+                format_bytes(r["predicted_peak_state_bytes_per_sequence"]),
+                format_bytes(r["peak_state_bytes_per_sequence"]),
                 str(r["batch"]),
-                format_bytes(r["peak_kv_bytes"]) + (" OVER" if over else ""),
+                format_bytes(r["peak_state_bytes"]) + (" OVER" if over else ""),
                 f"{r['aggregate_tokens_per_second']:.1f}",
                 format_or_dash(r.get("aggregate_ratio"), ".2f"),
                 f"{r['tokens_per_second']:.2f}",
@@ -147,5 +148,5 @@ def capacity_table(record: dict):
         styles.append("bold red" if over else None)
     if section["over_limit"]:
         table.caption += f" OVER THE LIMIT: {', '.join(section['over_limit'])}."
-    optional = ("rows", "tok/s/seq", "peak/seq")  # peak/seq = batch KV / batch
+    optional = ("rows", "tok/s/seq", "peak/seq")  # peak/seq = batch held / batch
     return fill_table(table, cols, rows, row_styles=styles, optional=optional)

@@ -50,7 +50,7 @@ def replay_task(model, tokenizer, task: Task) -> list[dict]:
     """Replay the task's traces (one, or several as one batch) under its runs in one pass;
     one record per unit. Units a task does not hold (done before a resume) are not rerun
     unless the rectangle traces × runs needs them, and then not written again."""
-    from reasonkv.harness.replay import ReplayRun, replay_batch
+    from reasonkv.harness.replay import STATE_PEAKS, ReplayRun, replay_batch
     from reasonkv.harness.traces import replay_input
 
     c = task.units[0].config
@@ -111,6 +111,7 @@ def replay_task(model, tokenizer, task: Task) -> list[dict]:
             peak_kv_bytes_16bit=r.peak_kv_bytes_16bit,
             decode_peak_kv_bytes_16bit=r.decode_peak_kv_bytes_16bit,
             mean_kv_bytes_16bit=r.mean_kv_bytes_16bit,
+            **{name: getattr(r, name) for name in STATE_PEAKS},
             batch_rows=len(inputs),
             forwards=r.forwards,
             compressions=r.compressions,
