@@ -217,6 +217,7 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window(scope, feed,
     window, group = QueryWindow(), [None]  # the layer's query window; this layer alone in its group
     view = SimpleNamespace(
         shape=(b, h, D, torch.device("cpu")),
+        dtype=torch.float32,
         window=window,
         scorer_states=group,
         n_query_heads=h * grp,

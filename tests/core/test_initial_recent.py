@@ -45,7 +45,12 @@ def stream(
     b, hq, n, d = pre.shape
     window, group = QueryWindow(), [None]
     view = SimpleNamespace(
-        shape=(b, kv_heads, d, pre.device), window=window, scorer_states=group, n_query_heads=hq, n_sink=3
+        shape=(b, kv_heads, d, pre.device),
+        dtype=pre.dtype,
+        window=window,
+        scorer_states=group,
+        n_query_heads=hq,
+        n_sink=3,
     )
     state = group[0] = scorer.new_state(view)
     window.prompt_end = torch.full((b,), prompt_len)

@@ -88,6 +88,10 @@ class _View:
     scorer_states = property(lambda self: self._layer.scorer_states)
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self._layer.dtype
+
+    @property
     def shape(self) -> tuple[int, int, int, torch.device]:
         storage = self._layer.storage
         b, h = storage.lengths.shape

@@ -90,6 +90,8 @@ class LayerView(Protocol):
     @property
     def shape(self) -> tuple[int, int, int, torch.device]: ...  # batch, KV heads, head dim, device
     @property
+    def dtype(self) -> torch.dtype: ...  # the model's: of its keys, values and queries
+    @property
     def window(self) -> QueryWindowView: ...
     @property
     def scorer_states(self) -> list: ...  # every layer's scorer state, for work batched across layers

@@ -44,6 +44,7 @@ from reasonkv.core.policy.base import (
 from reasonkv.core.policy.contract import LayerView, PolicyState, QueryWindowView, Scorer
 from reasonkv.core.policy.knob import knob, tokens
 from reasonkv.core.policy.rope import apply_rope, unapply_rope
+from reasonkv.core.policy.vector_codes import decode_vectors, encode_vectors
 
 DUPLICATE_EPS = 1e-5
 """Cosine distance at or below which a point counts as identical (fp32 rounding of 0)."""
@@ -99,14 +100,14 @@ def add_points(
     while start < total:
         k = min(total - start, m_max - int(count.max()))
         chunk, ok = points[:, :, start : start + k].float(), valid[:, :, start : start + k]
-        u, held = _units(chunk), _units(buf[:, :, :m_max])
+        u, held = _units(chunk), _units(buf[:, :, :m_max].float())
         in_use = (slots < count[..., None])[:, :, None, :]  # [B, H, 1, M]
         dup_held = ((u @ held.transpose(-1, -2) >= 1.0 - DUPLICATE_EPS) & in_use).any(-1)
         same = u @ u.transpose(-1, -2) >= 1.0 - DUPLICATE_EPS
         dup_prev = (same & earlier[:k, :k] & ok[:, :, None, :]).any(-1)
         add = ok & ~dup_held & ~dup_prev
         slot = torch.where(add, count[..., None] + add.cumsum(-1) - 1, m_max)
-        buf.scatter_(2, slot[..., None].expand(-1, -1, -1, d), chunk)
+        buf.scatter_(2, slot[..., None].expand(-1, -1, -1, d), chunk.to(buf.dtype))
         count = count + add.sum(-1)
         full = count == m_max
         if bool(full.any()):
@@ -133,15 +134,28 @@ def _weakly(group: list) -> list:
 class BeaconState(PolicyState):
     """One layer's beacon buffers and the bookkeeping of its queue of leaving queries."""
 
-    beacons: torch.Tensor  # [B, X, M, D] pre-RoPE, fp32, arrival order; X = query or KV heads
-    count: torch.Tensor  # [B, X] points held
+    beacons: torch.Tensor  # [B, X, M, D] pre-RoPE, the model's dtype or int8 codes; X = query or KV heads
+    count: torch.Tensor  # [B, X] points held, in arrival order
     window: QueryWindowView  # the layer's query window (the queue lives in its backlog)
     group: list  # every layer's scorer state: queues are fed for all layers in one pass
     n_sink: int = 0  # positions below this never feed the buffers under beacon_feed="no_sinks"
     pending: int = 0  # queued queries; below 0 when scoring fed the next leaving ones ahead
     forwards: int = 0
     step_size: int = 0  # queries in the layer's latest forward
-    ROW_FIELDS = ("beacons", "count")
+    scale: torch.Tensor | None = None  # [B, X, M, 1]: beacon_bits=8, each beacon's scale
+    ROW_FIELDS = ("beacons", "count", "scale")
+
+    def points(self) -> torch.Tensor:
+        """The held beacons as vectors [B, X, M, D] (fp32 when stored as codes)."""
+        return self.beacons if self.scale is None else decode_vectors(self.beacons, self.scale)
+
+    def hold(self, points: torch.Tensor, count: torch.Tensor) -> None:
+        """Keep `points` [B, X, M, D] as the buffers (as codes again, when they are codes)."""
+        if self.scale is None:
+            self.beacons = points
+        else:
+            self.beacons, self.scale = encode_vectors(points)
+        self.count = count
 
 
 @dataclass
@@ -160,8 +174,14 @@ class BeaconKVScorer(Scorer):
     counts: no tensor op per layer."""
     beacon_scope: Literal["query_head", "kv_head"] = "query_head"
     beacon_feed: Literal["all", "generated", "no_sinks"] = "generated"
+    beacon_bits: Literal[16, 8] = 16
+    """How the beacon buffers are held: in the model's dtype (16), or as int8 codes with one
+    scale a beacon (8: half the bytes at 16 bits; FPS compares directions, which a per-vector
+    scale keeps, so only each element's rounding changes)."""
 
     def __post_init__(self) -> None:
+        if self.beacon_bits not in (16, 8):
+            raise ValueError(f"beacon_bits must be 16 or 8, got {self.beacon_bits!r}")
         self._check_sizes()
         if self.recent < 1:
             raise ValueError(f"recent must be at least 1, got {self.recent}")
@@ -196,12 +216,18 @@ class BeaconKVScorer(Scorer):
     def new_state(self, view: LayerView) -> BeaconState:
         b, h, d, device = view.shape
         x = view.n_query_heads if self.beacon_scope == "query_head" else h
+        # The model's dtype (the queries'): fp32 buffers would double a bf16 model's.
+        beacons = torch.zeros(b, x, self.beacon_max, d, device=device, dtype=view.dtype)
+        scale = None
+        if self.beacon_bits == 8:
+            beacons, scale = encode_vectors(beacons)
         return BeaconState(
-            beacons=torch.zeros(b, x, self.beacon_max, d, device=device),
+            beacons=beacons,
             count=torch.zeros(b, x, dtype=torch.long, device=device),
             window=view.window,
             group=_weakly(view.scorer_states),
             n_sink=view.n_sink,
+            scale=scale,
         )
 
     # ------------------------------------------------------------- buffer upkeep
@@ -330,19 +356,19 @@ class BeaconKVScorer(Scorer):
             points = pre.reshape(b, h, g, n, d).transpose(2, 3).reshape(b, h, n * g, d)
             valid = fed[:, None, :, None].expand(b, h, n, g).reshape(b, h, -1)
         if len(members) == 1:
-            beacons, count = members[0].beacons, members[0].count
+            beacons, count = members[0].points(), members[0].count
         else:
-            beacons = torch.cat([m.beacons for m in members])
+            beacons = torch.cat([m.points() for m in members])
             count = torch.cat([m.count for m in members])
         beacons, count = self._admit(beacons, count, points, valid)
-        rows = members[0].beacons.shape[0]
+        rows = members[0].count.shape[0]
         if len(members) == 1:
-            members[0].beacons, members[0].count = beacons, count
+            members[0].hold(beacons, count)
             return
         # Copies, not views of the stacked tensors: each layer then holds its own buffers (and
         # only them), and the stack is freed.
         for m, buf, cnt in zip(members, beacons.split(rows), count.split(rows), strict=True):
-            m.beacons, m.count = buf.clone(), cnt.clone()
+            m.hold(buf.clone(), cnt.clone())
 
     def _admit(
         self, beacons: torch.Tensor, count: torch.Tensor, points: torch.Tensor, valid: torch.Tensor
@@ -361,10 +387,12 @@ class BeaconKVScorer(Scorer):
         parts = [probs.reshape(b, h, g * w, t)]
         n_points = (obs.query_valid.sum(-1) * g)[:, None].expand(b, h)
         if st is not None and bool(st.count.any()):
-            beacons, count = st.beacons, st.count  # [B, X, M, D], X = H or H*G
+            beacons, count = st.points(), st.count  # [B, X, M, D], X = H or H*G
             positions = obs.query_positions if obs.query_positions is not None else obs.query_index
             now = torch.where(obs.query_valid, positions, -1).amax(-1).clamp(min=0)  # newest query's position
-            rotated = apply_rope(beacons, now[:, None, None], obs.rope_inv_freq, obs.rope_attention_scaling)
+            rotated = apply_rope(
+                beacons.float(), now[:, None, None], obs.rope_inv_freq, obs.rope_attention_scaling
+            )
             held = torch.arange(beacons.shape[2], device=keys.device) < count[..., None]  # [B, X, M]
             # A query head's beacons score the keys of its KV head: group them as G·M points.
             rotated, held = rotated.reshape(b, h, -1, rotated.shape[-1]), held.reshape(b, h, -1)

@@ -1,0 +1,26 @@
+"""Vectors as 8-bit codes: int8 per element and one scale per vector (symmetric, absmax / 127).
+
+For query-like state kept beside the cache (BeaconKV's beacon buffers): a beacon is compared by
+direction (cosine distance) and rotated before it scores, both of which a per-vector scale
+leaves as they are, so the codes cost only the rounding of each element, |x - x̂| <= scale / 2.
+Pure torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LEVELS = 127
+
+
+def encode_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes [..., D] int8, scale [..., 1] in x's dtype). A zero vector codes as
+    zeros with scale 0."""
+    scale = x.abs().amax(-1, keepdim=True).float() / LEVELS
+    codes = torch.where(scale > 0, x.float() / scale.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    return codes.round().clamp(-LEVELS, LEVELS).to(torch.int8), scale.to(x.dtype)
+
+
+def decode_vectors(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The vectors back, in fp32: codes [..., D] times scale [..., 1]."""
+    return codes.float() * scale.float()
