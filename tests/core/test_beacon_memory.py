@@ -77,3 +77,31 @@ def test_the_query_window_holds_the_recent_queries_and_the_backlog_not_yet_fed()
         cache = reasonkv.make_cache(model, "beaconkv", 32, upkeep_every=upkeep)
         greedy_loop(model, random_prompt(12, seed=2), cache, 60)
         assert cache.layers[0].window.queries.shape[2] == 16 + upkeep
+
+
+def test_the_query_window_as_codes_holds_a_quarter_of_the_bytes_and_decodes_within_half_a_scale() -> None:
+    """window_bits=8: the same queries kept (their indices), as int8 codes and a scale each (fp32
+    here): D + 4 bytes a query and head instead of 4 D; read back within half a scale. The
+    meter still equals a walk of every tensor (both 8-bit knobs on)."""
+    from test_state_meter import walk_tensors
+
+    from reasonkv.core.memory_meter import held_bytes
+
+    model = tiny_model("llama", "sdpa", 2)
+    prompt = random_prompt(12, seed=2)
+    caches = {bits: reasonkv.make_cache(model, "beaconkv", 64, window_bits=bits) for bits in (16, 8)}
+    for cache in caches.values():
+        greedy_loop(model, prompt, cache, 20)  # below the budget: nothing evicted, same queries
+    for a, b in zip(caches[16].layers, caches[8].layers, strict=True):
+        assert torch.equal(a.window.query_index, b.window.query_index)
+        assert b.window._held.dtype == torch.int8
+        exact, decoded = a.window.queries, b.window.queries
+        assert decoded.dtype == exact.dtype
+        assert bool(((decoded - exact).abs() <= b.window._scale / 2 + 1e-6).all())
+    kept = caches[16].layers[0].window.size
+    per_layer = HQ * kept * (D * 4 - D - 4)
+    assert _beside(caches[16]) - _beside(caches[8]) == len(model.model.layers) * per_layer
+    both = reasonkv.make_cache(model, "beaconkv", 24, window_bits=8, beacon_bits=8, upkeep_every=1)
+    greedy_loop(model, prompt, both, 60)
+    assert both.n_compressions > 0
+    assert both.memory()["state_bytes"] == held_bytes(walk_tensors(both))[0]

@@ -146,7 +146,7 @@ class CompressedLayer(CacheLayerMixin):
             self.low_tier.release()
         self.storage: KVStorage | None = None
         self.low_tier: LowTier | None = None  # what eviction drops, at low_bits (KVFormat.low_budget)
-        self.window = QueryWindow()
+        self.window = QueryWindow(self.policy.scorer.window_bits)
         self.states = PolicyStates()
         self._states_made = False
         self.scorer_states[self.layer_idx] = None

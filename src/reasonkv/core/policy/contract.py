@@ -61,6 +61,9 @@ class QueryWindowView(Protocol):
     query_positions: torch.Tensor | None  # [B, W] RoPE position
     prompt_end: torch.Tensor | None  # [B] sequence index where generation starts
 
+    @property
+    def size(self) -> int: ...  # queries kept
+
 
 class LayerView(Protocol):
     """What a policy may read about one layer (read-only: policies write only their state)."""
@@ -110,6 +113,9 @@ class Scorer:
 
     window: int = 1
     query_backlog: int = 0
+    window_bits: int = 16
+    """How the cache holds the queries it keeps for this scorer: in the model's dtype (16), or as
+    8-bit codes with a scale a query (8), decoded when read."""
     state_names: ClassVar[tuple[str, ...]] = ()
 
     def new_state(self, view: LayerView) -> PolicyState | None:

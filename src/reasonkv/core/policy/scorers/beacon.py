@@ -178,10 +178,13 @@ class BeaconKVScorer(Scorer):
     """How the beacon buffers are held: in the model's dtype (16), or as int8 codes with one
     scale a beacon (8: half the bytes at 16 bits; FPS compares directions, which a per-vector
     scale keeps, so only each element's rounding changes)."""
+    window_bits: Literal[16, 8] = 16
+    """How the cache holds the recent queries (and the backlog): 16 or 8 (codes, a scale each)."""
 
     def __post_init__(self) -> None:
-        if self.beacon_bits not in (16, 8):
-            raise ValueError(f"beacon_bits must be 16 or 8, got {self.beacon_bits!r}")
+        for name in ("beacon_bits", "window_bits"):
+            if getattr(self, name) not in (16, 8):
+                raise ValueError(f"{name} must be 16 or 8, got {getattr(self, name)!r}")
         self._check_sizes()
         if self.recent < 1:
             raise ValueError(f"recent must be at least 1, got {self.recent}")
@@ -249,7 +252,7 @@ class BeaconKVScorer(Scorer):
             raise RuntimeError("BeaconKV: the batch changed size mid-generation; start a new cache")
         st.forwards, st.step_size = st.forwards + 1, q
         win = st.window
-        held = 0 if win.queries is None else win.queries.shape[2]
+        held = win.size
         n_out = self._leaving(held, q)
         if n_out == 0:
             return
@@ -298,9 +301,9 @@ class BeaconKVScorer(Scorer):
         forward, q = state.forwards, state.step_size
         fed, queues = [], []
         for st in state.group:
-            if not isinstance(st, BeaconState) or st.window.queries is None:  # no forward kept yet
+            if not isinstance(st, BeaconState) or st.window.size == 0:  # no forward kept yet
                 continue
-            win, held = st.window, st.window.queries.shape[2]
+            win, held = st.window, st.window.size
             first_recent = held - min(held, self.recent)
             n_ahead = 0
             if ahead and st.forwards < forward:
