@@ -8,6 +8,7 @@ layers each served. Then times farthest-point sampling on buffers of the model's
 (layers x KV heads x 32 points x head dim: one batched shrink), eager and under `torch.compile`.
 
     REASONKV_THREADS=1 .venv/bin/python benchmarks/beacon_upkeep.py --out beacon_upkeep.json
+    REASONKV_THREADS=1 .venv/bin/python benchmarks/beacon_upkeep.py --set upkeep_every=1 --no-compile --out b.json
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 
-def decode_profile(model_name: str, budget: int, prompt: int, steps: int, seed: int) -> dict:
+def decode_profile(model_name: str, budget: int, prompt: int, steps: int, seed: int, knobs: dict) -> dict:
     import reasonkv
     import reasonkv.core.policy.scorers.beacon as beacon
     from reasonkv.core.models import load_model
@@ -30,7 +31,7 @@ def decode_profile(model_name: str, budget: int, prompt: int, steps: int, seed: 
     with quiet_loading():
         model, _ = load_model(model_name)
     timer = SectionTimer()
-    cache = reasonkv.make_cache(model, "beaconkv", budget)
+    cache = reasonkv.make_cache(model, "beaconkv", budget, **knobs)
     cache.timer = timer  # on_step, score and the rest of the step
     scorer = cache.policy.scorer
     feed = scorer._feed
@@ -57,6 +58,7 @@ def decode_profile(model_name: str, budget: int, prompt: int, steps: int, seed: 
     return {
         "model": model_name,
         "budget": budget,
+        "knobs": knobs,
         "prompt": prompt,
         "steps": steps,
         "layers": len(cache.layers),
@@ -107,10 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile comparison")
+    p.add_argument("--set", action="append", default=[], help="key=value: a beaconkv knob (int), repeatable")
     p.add_argument("--out", type=Path, default=Path("beacon_upkeep.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    profile = decode_profile(args.model, args.budget, args.prompt, args.steps, args.seed)
+    knobs = {k: int(v) for k, v in (s.split("=", 1) for s in args.set)}
+    profile = decode_profile(args.model, args.budget, args.prompt, args.steps, args.seed, knobs)
     print(
         f"beaconkv@{args.budget}, {args.steps} decode steps after {args.prompt}: "
         f"{profile['step_ms']:.1f} ms/step"

@@ -166,12 +166,15 @@ class BeaconKVScorer(Scorer):
     aggregation: Literal["max", "mean"] = "max"
     pooling: Literal["max", "avg", "none"] = "none"
     kernel: int = knob(7, ge=1, le=MAX_KERNEL)
-    upkeep_every: int = tokens(32)
+    upkeep_every: int = tokens(8)
     """Queries leaving the recent window wait in a queue and enter the buffers this many at a
     time (all layers in one pass), or when scoring needs the buffers. Continual FPS fed in
     chunks equals FPS fed one point at a time (`add_points`), so the beacons do not depend on
     it. The queue is the cache's own query history (`query_backlog`), so a decode step only
-    counts: no tensor op per layer."""
+    counts: no tensor op per layer. The queue is held beside the K/V (16 + 8 queries a head and
+    layer, not the 16 scoring reads): a feed of all layers costs about as much for one query as
+    for eight, so feeding every step (upkeep_every=1, 17 held) made BeaconKV's own work per step
+    1.9-2.7x (benchmarks/beacon_upkeep.py); 32 (48 held) was the default before the state meter."""
     beacon_scope: Literal["query_head", "kv_head"] = "query_head"
     beacon_feed: Literal["all", "generated", "no_sinks"] = "generated"
     beacon_bits: Literal[16, 8] = 16
