@@ -200,6 +200,17 @@ def consoles_follow_columns(monkeypatch):
     yield
 
 
+@pytest.fixture
+def toy_storage():
+    """make_cache builds quantized storage it would refuse (`unchecked_storage`): for tests of
+    the quantized code paths at small budgets on the tiny two-layer models, where one layer's
+    dequantized copy outweighs what quantizing saves (tests/core/test_storage_pays.py)."""
+    from reasonkv.methods.api import unchecked_storage
+
+    with unchecked_storage():
+        yield
+
+
 # ------------------------------------------------- command-line tests: no slow model load
 @pytest.fixture
 def fake_loader(monkeypatch):

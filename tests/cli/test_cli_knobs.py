@@ -96,3 +96,38 @@ def test_methods_lists_each_knob_with_its_range() -> None:
     assert result.exit_code == 0, result.output
     for text in ("fraction=0.125 (0,1)", "kernel=7 [1,1024]", "tau=1.0 (>0)", "pooling=max {max|avg|none}"):
         assert text in result.output
+
+
+STORAGE_ARGS = ["--set", "kv_bits=4", "--set", "group_size=16"]
+NOTHING = "kv_bits=4 quantizes nothing at budget 8: a head of 'streaming' holds at most 8 tokens here"
+
+
+def test_generate_refuses_storage_that_quantizes_nothing_in_one_line_before_generating(
+    fake_loader, monkeypatch
+) -> None:
+    from reasonkv.cli import generate as generate_cli
+
+    def generate(*args, **kwargs):
+        raise AssertionError("generated although the cache was refused")
+
+    monkeypatch.setattr(generate_cli, "generate_text", generate)
+    args = ["generate", "-m", "streaming", "-b", "8", *STORAGE_ARGS, "hi"]
+    err = one_clean_line(runner.invoke(cli.app, args, env=WIDE))
+    assert NOTHING in err and "residual=2, the default at budget 8) only at 18" in err
+    assert len(fake_loader) == 1  # the budget's check needs the model's shape: after it loads
+
+
+def test_replay_refuses_storage_that_quantizes_nothing_in_one_line_before_replaying(
+    tmp_path, monkeypatch
+) -> None:
+    from cli_helpers import CharTokenizer, tiny_llama
+    from reasonkv.cli import replay as replay_cli
+
+    monkeypatch.setattr(replay_cli, "load_model", lambda name, **kwargs: (tiny_llama(), CharTokenizer()))
+    monkeypatch.setattr(replay_cli, "replay_batch", None)  # a replay would fail on this, not in one line
+    traces = tmp_path / "t.jsonl"
+    traces.write_text('{"id": "t0", "problem": "2+2?", "trace": "' + "four. " * 8 + '"}\n')
+    args = ["replay", "--traces", str(traces), "--variant", "all", "--methods", "streaming", "--budgets", "8"]
+    result = runner.invoke(cli.app, [*args, *STORAGE_ARGS, "--out", str(tmp_path / "r.json")], env=WIDE)
+    assert NOTHING in one_clean_line(result)
+    assert not (tmp_path / "r.json").exists()

@@ -128,6 +128,7 @@ def _greedy_logits(model, ids, mask, cache, steps: int = 24) -> torch.Tensor:
     return torch.stack(logits, 1)
 
 
+@pytest.mark.usefixtures("toy_storage")  # a quantized cache the tiny model cannot pay for
 @pytest.mark.parametrize(
     "arch,method,knobs",
     [

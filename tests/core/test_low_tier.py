@@ -194,6 +194,7 @@ def test_both_tiers_keep_their_budgets_and_every_token_its_position(method) -> N
     )  # the main tier as without
 
 
+@pytest.mark.usefixtures("toy_storage")  # a quantized cache the tiny model cannot pay for
 @pytest.mark.parametrize(
     "method,arch,attn,kv_heads,extra",
     [

@@ -16,6 +16,10 @@ from reasonkv.methods.registry import get_method
 
 SMALL = {"group_size": 8, "residual": 8}
 
+# Small budgets on the tiny two-layer model, where make_cache would refuse most quantized
+# settings as holding more than 16 bits (test_storage_pays): these test the code paths.
+pytestmark = pytest.mark.usefixtures("toy_storage")
+
 
 @torch.no_grad()
 def forced_logits(model, ids, mask, cache, tokens: torch.Tensor) -> torch.Tensor:

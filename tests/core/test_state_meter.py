@@ -77,6 +77,7 @@ def _cache(model, method: str, budget: int, **knobs):
     return reasonkv.make_cache(model, method, budget, **knobs, **profile_knobs(model, method))
 
 
+@pytest.mark.usefixtures("toy_storage")  # 4 bits at budget 24: more than 16 bits on the tiny model
 @pytest.mark.parametrize("storage", list(STORAGE))
 @pytest.mark.parametrize("method", METHODS)
 def test_the_meter_counts_every_tensor_the_cache_holds(method: str, storage: str) -> None:

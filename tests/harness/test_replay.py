@@ -90,6 +90,7 @@ QUANTIZED = {  # storage knobs that quantize within 150 tokens many times (head 
 }
 
 
+@pytest.mark.usefixtures("toy_storage")  # quantized caches the tiny model cannot pay for
 @pytest.mark.parametrize("name", list(QUANTIZED))
 def test_chunked_replay_of_quantized_storage_equals_token_by_token(name: str) -> None:
     """Token by token, a group leaves the full-precision residual as soon as it holds
@@ -235,6 +236,7 @@ def test_budget_beyond_the_trace_is_faithful_and_a_small_one_is_not() -> None:
     assert small.live_tokens < roomy.live_tokens
 
 
+@pytest.mark.usefixtures("toy_storage")  # a quantized snapkv@16 the tiny model cannot pay for
 def test_peak_memory_of_a_replay_is_what_the_cache_held_at_most() -> None:
     """Peak live tokens per head: SnapKV at B + I (B = 16, I = 8) attends to B + I tokens
     before each compression; BeaconKV (threshold) to its B = 32; H2O (every step) to B + 1;

@@ -28,6 +28,21 @@ LOW_TIER_KNOBS = ("low_budget", "low_bits", "low_group_size")
 BITS = (8, 4, 2)
 """The code widths the quantizer packs (16 means: not quantized, see `KVFormat`)."""
 
+RESIDUAL = 32
+"""The most tokens the default residual keeps in full precision (see `default_residual`)."""
+
+
+def default_residual(budget: int | None) -> int:
+    """`residual` when it is not set: a quarter of the budget, at most 32 (`RESIDUAL`); 32 for
+    a cache without a budget (full, quant-int*).
+
+    A head quantizes a group only once it holds residual + group_size tokens, and holds that
+    many in full precision from then on: 32 (+ 16) is the whole of a budget-32 cache, while a
+    quarter of it leaves three quarters to the codes. From a budget of 128 up it is 32 as it
+    always was, so every published unit (none sets kv_bits below 16 at a budget under 256
+    without its residual) means what it meant."""
+    return RESIDUAL if budget is None else min(RESIDUAL, budget // 4)
+
 
 def check_bits(bits: int) -> None:
     if bits not in BITS:
@@ -228,7 +243,9 @@ class KVFormat:
     head's channels in one group halves the values' scale bytes), packed, with a scale and a zero
     point per group; the newest `residual` tokens (at least) stay in full precision and move
     to the quantized part a group at a time. The residual is 32, not KIVI's 128: eviction
-    budgets here are 64-512 tokens, and 128 would keep a budget-128 cache unquantized.
+    budgets here are 64-512 tokens, and 128 would keep a budget-128 cache unquantized; a
+    method with a budget under 128 that leaves it unset gets a quarter of its budget instead
+    (`default_residual`, applied by `make_cache`).
 
     fp_sinks > 0 keeps the first `fp_sinks` real tokens (the attention sinks) in full precision
     beside their codes, and leaves them out of their key group's range: a sink's keys are
@@ -256,7 +273,7 @@ class KVFormat:
 
     kv_bits: Literal[16, 8, 4, 2] = 16
     group_size: int = knob(16, ge=1, le=1024)
-    residual: int = tokens(32, minimum=0)
+    residual: int = tokens(RESIDUAL, minimum=0)
     fp_sinks: int = knob(0, ge=0, le=64)
     pre_rope: bool = False
     hadamard: bool = False

@@ -15,9 +15,11 @@ head stay behind. Reads (`read_keys`, attention and the scorers) dequantize the 
 and append the residual: a transient full-precision copy of one layer, alive from `update`
 to the end of the layer's step, and counted in the peak of the memory meter.
 
-The residual holds `residual + group_size` slots (more only while heads are ragged): decoding
-adds one token a step and `settle` moves a group out as soon as the shortest head has
-`residual + group_size`, so every slot is written by then (unless a compaction comes first).
+The residual holds `residual + group_size` slots (more only while heads are ragged, or for a
+forward of more tokens): decoding adds one token a step and `settle` moves a group out as soon
+as the shortest head has `residual + group_size`, so every slot is written by then (unless a
+compaction comes first). It is that size from the first token on, so it is never reallocated
+on the way there (it grew a group at a time before, to up to a group more).
 
 Holes and padding only change `token_index`, so they need nothing here. A compaction keeps
 what it can in codes: values (one token, one group) are gathered as they are stored, codes,
@@ -304,7 +306,9 @@ class QuantizedKVStorage(KVStorage):
             self._grow_index(capacity)
             self._index_cap = capacity
         if needed - self.q_used > self.k_res.shape[2]:
-            self._resize_residual(needed - self.q_used + self.fmt.group_size)
+            # What the heads hold until `settle` next moves a group out (what it would shrink
+            # back to), or this forward's tokens if more: not a group of spare slots on top.
+            self._resize_residual(max(needed - self.q_used, self._residual_room()))
 
     def _residual_room(self) -> int:
         """Residual slots that hold every head's tokens until the next `settle` moves a group:

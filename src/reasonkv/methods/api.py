@@ -3,7 +3,10 @@ CacheFactory and compressed_pipeline: a fresh one for every generate() call or p
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from types import MappingProxyType
 from typing import Any
 
@@ -13,7 +16,15 @@ from reasonkv.core import attention
 from reasonkv.core.cache import CompressedCache, LayerPolicy
 from reasonkv.core.models import attention_modules, model_shape
 from reasonkv.core.policy.knob import MAX_TOKENS
-from reasonkv.methods.knobs import KnobError, build_parts, check_budget, check_knobs, check_protected_window
+from reasonkv.methods.knobs import (
+    KnobError,
+    at_budget,
+    build_parts,
+    check_budget,
+    check_knobs,
+    check_protected_window,
+    check_storage_pays,
+)
 from reasonkv.methods.profiles import find_profile, load_profile
 from reasonkv.methods.registry import get_method
 
@@ -93,18 +104,39 @@ def _min_budget(schedule, protected: int) -> int:
     return high
 
 
+_STORAGE_CHECKED = contextvars.ContextVar("reasonkv_storage_checked", default=True)
+
+
+@contextlib.contextmanager
+def unchecked_storage() -> Iterator[None]:
+    """Within it, `make_cache` builds quantized storage it would refuse (one that quantizes
+    nothing at its budget, or holds more K/V than at 16 bits) instead of raising. For tests and
+    studies of the quantized code paths on toy models: on a model of two layers one layer's
+    dequantized copy outweighs what quantizing saves at almost any budget. Nothing else changes."""
+    token = _STORAGE_CHECKED.set(False)
+    try:
+        yield
+    finally:
+        _STORAGE_CHECKED.reset(token)
+
+
 def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overrides) -> CompressedCache:
     """A transformers Cache that compresses with `method` at `budget` tokens per KV head.
 
     Also installs reasonkv's attention function on `model` (same backend as before; it
     behaves exactly like the stock one when used without a CompressedCache). Parameters of
     the method (see `reasonkv methods`) are set by keyword, e.g. `window=16`.
+
+    Quantized storage (kv_bits < 16) that would never quantize a token at this budget, or that
+    would hold more K/V while decoding than the same cache at 16 bits, is refused (a KnobError
+    that says what to change; `knobs.check_storage_pays`; `unchecked_storage` lifts that). Left
+    unset, `residual` is a quarter of the budget, at most 32 (`quantize.default_residual`).
     """
     spec = get_method(method)
     knobs = check_knobs(spec, overrides)
     budget = check_budget(spec, budget, knobs)
     shape = model_shape(model)
-    parts = build_parts(spec, knobs)
+    parts = build_parts(spec, at_budget(spec, budget, knobs))
     protected = parts.protected
     stats = {"min_budget": _min_budget(parts.schedule, protected), "load_demand": _demand_loader(model)}
     budgets = parts.allocator.allocate(shape.n_layers, shape.n_kv_heads, budget, stats).long()
@@ -115,6 +147,10 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
         parts.storage.check_head_dim(shape.head_dim)
     except ValueError as err:
         raise KnobError(f"parameters of {method!r} do not fit the model: {err}") from None
+    if spec.compresses and _STORAGE_CHECKED.get():
+        plans = [parts.schedule.plan([int(b) for b in layer.tolist()]) for layer in budgets]
+        heads = (shape.n_kv_heads, shape.head_dim)
+        check_storage_pays(spec, budget, parts, plans, heads, "residual" in knobs)
     rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
     if parts.storage.pre_rope and getattr(rotary, "inv_freq", None) is None:
         raise KnobError(
