@@ -8,7 +8,8 @@ layers each served. Then times farthest-point sampling on buffers of the model's
 (layers x KV heads x 32 points x head dim: one batched shrink), eager and under `torch.compile`.
 
     REASONKV_THREADS=1 .venv/bin/python benchmarks/beacon_upkeep.py --out beacon_upkeep.json
-    REASONKV_THREADS=1 .venv/bin/python benchmarks/beacon_upkeep.py --set upkeep_every=1 --no-compile --out b.json
+    REASONKV_THREADS=1 .venv/bin/python benchmarks/beacon_upkeep.py --set upkeep_every=1 --no-compile \
+        --steps 256 --out upkeep-1.json    # another knob setting, side by side with the default
 """
 
 from __future__ import annotations

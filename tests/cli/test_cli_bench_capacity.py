@@ -12,7 +12,11 @@ from conftest import N_LAYERS
 
 TEXT = "What is 2+3? Think."  # 19 prompt tokens with the CharTokenizer
 SLOT = 2 * 2 * 16 * 4  # bytes of one K/V slot of one layer of the tiny Llama (fp32)
-FULL_PEAK = N_LAYERS * (len(TEXT) + 256) * SLOT  # the full cache at 19 + 40 tokens: one chunk past
+FULL_PEAK = N_LAYERS * (len(TEXT) + 256) * SLOT  # the full cache's K/V at 19 + 40 tokens: one chunk past
+# ...and beside it, a layer's slot indices (2 KV heads, int64), head counts, one kept query with its
+# index and position, prompt end and counter; the cache's budgets whatever its batch.
+FULL_HELD = FULL_PEAK + N_LAYERS * ((len(TEXT) + 256) * 2 * 8 + 2 * 2 * 8 + (4 * 16 * 4 + 16) + 16)
+PER_CACHE = 2 * 2 * 8 + N_LAYERS * 2 * 2 * 8
 
 
 @pytest.fixture
@@ -28,7 +32,7 @@ def invoke(tmp_path, *extra: str, methods: str = "snapkv,streaming"):
 
 
 def test_kv_memory_picks_the_largest_batch_that_fits_and_records_it(loader, tmp_path) -> None:
-    memory = 2 * FULL_PEAK + 1000  # the full cache fits twice
+    memory = 2 * FULL_HELD + PER_CACHE + 1000  # the full cache fits twice
     result, out = invoke(tmp_path, "--kv-memory", str(memory), "--interleave")
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
@@ -42,9 +46,11 @@ def test_kv_memory_picks_the_largest_batch_that_fits_and_records_it(loader, tmp_
     runs = section["runs"]
     assert [r["label"] for r in runs] == ["full", "snapkv@24", "streaming@24"]
     assert runs[0]["batch"] == 2
-    assert runs[1]["batch"] == memory // ((N_LAYERS + 1) * 32 * SLOT)  # 24 + 8 slots a layer
+    snap = runs[1]["predicted_peak_state_bytes_per_sequence"]
+    assert snap > (N_LAYERS + 1) * 32 * SLOT  # more than its K/V: 24 + 8 slots a layer, one twice
+    assert runs[1]["batch"] == (memory - PER_CACHE) // snap
     for r in runs:
-        assert r["peak_kv_bytes"] <= memory and not r["over_limit"] and r["prediction_exact"]
+        assert r["peak_state_bytes"] <= memory and not r["over_limit"] and r["prediction_exact"]
     assert "batch capacity" in result.stdout and "agg tok/s" in result.stdout
     assert "streaming" in result.stdout and "OVER THE LIMIT" not in result.stdout
 
@@ -57,11 +63,13 @@ def test_a_fixed_batch_runs_every_method_at_it_and_says_when_the_limit_is_passed
     section = record["batch_capacity"]
     assert section["batch"] == 3 and section["max_batch"] is None
     assert [r["batch"] for r in section["runs"]] == [3, 3]
-    # Three full caches need 3 × 137.5 KiB: over the limit, and the table and stderr say so.
+    # Three full caches hold 3 × 146.7 KiB: over the limit, and the table and stderr say so.
     assert section["over_limit"] == ["full"] and section["runs"][0]["over_limit"] is True
     assert section["runs"][1]["over_limit"] is False
     assert "KiB OVER" in result.stdout and "OVER THE LIMIT: full" in " ".join(result.stdout.split())
-    assert "measured peak K/V above --kv-memory for full" in errors_of(result)
+    assert "measured peak (K/V and all beside it) above --kv-memory for full" in " ".join(
+        errors_of(result).split()
+    )
 
 
 def test_a_fixed_batch_needs_no_prediction(loader, tmp_path) -> None:
@@ -69,7 +77,7 @@ def test_a_fixed_batch_needs_no_prediction(loader, tmp_path) -> None:
     assert result.exit_code == 0, result.output
     runs = json.loads(out.read_text())["batch_capacity"]["runs"]
     assert [r["label"] for r in runs] == ["full", "rpc@24"]
-    assert runs[1]["predicted_peak_kv_bytes_per_sequence"] is None and runs[1]["over_limit"] is None
+    assert runs[1]["predicted_peak_state_bytes_per_sequence"] is None and runs[1]["over_limit"] is None
 
 
 def test_plain_bench_output_has_no_capacity_section(loader, tmp_path) -> None:
@@ -108,7 +116,8 @@ def test_a_run_that_does_not_fit_once_is_named(loader, tmp_path) -> None:
     result, out = invoke(tmp_path, "--kv-memory", "40KiB")
     assert result.exit_code == 2, result.output
     err = " ".join(errors_of(result).split())
-    assert "full: one sequence needs 137.5 KiB of peak K/V at 19 + 40 tokens, more than the 40.0 KiB" in err
+    assert "full: one sequence holds 146.7 KiB at its peak (K/V and all beside it) at 19 + 40 tokens" in err
+    assert "more than the 40.0 KiB given" in err
     assert not out.exists()
 
 
@@ -116,4 +125,4 @@ def test_auto_refuses_a_method_whose_peak_it_cannot_predict(loader, tmp_path) ->
     result, _ = invoke(tmp_path, "--kv-memory", "1GiB", methods="adakv-snapkv")
     assert result.exit_code == 2, result.output
     err = " ".join(errors_of(result).split())
-    assert "adakv-snapkv@24: cannot predict the peak K/V" in err and "give a fixed batch instead" in err
+    assert "adakv-snapkv@24: cannot predict the peak state" in err and "give a fixed batch instead" in err

@@ -146,8 +146,9 @@ def bench_command(
         str | None,
         typer.Option(
             "--kv-memory",
-            help="Batch capacity: K/V memory for a batch (2GiB, 512MiB, 1.5GB, bytes). Each run decodes "
-            "the largest batch whose peak K/V at the longest length fits (implies --batch auto).",
+            help="Batch capacity: cache memory for a batch (2GiB, 512MiB, 1.5GB, bytes). Each run decodes "
+            "the largest batch whose peak at the longest length fits: everything its cache holds, K/V "
+            "and beside it (slot indices, query windows, beacons, policy state) (implies --batch auto).",
         ),
     ] = None,
     batch: Annotated[
@@ -348,7 +349,7 @@ def run_capacity(
     over = record["batch_capacity"]["over_limit"]
     if over:
         err_console.print(
-            "[bold red]warning:[/bold red] measured peak K/V above --kv-memory for "
+            "[bold red]warning:[/bold red] measured peak (K/V and all beside it) above --kv-memory for "
             + escape(", ".join(over)),
             soft_wrap=True,
         )
