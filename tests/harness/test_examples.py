@@ -38,10 +38,30 @@ def test_shipped_traces_keep_their_source_and_licence():
     data = ROOT / "examples" / "data"
     readme = (data / "README.md").read_text()
     assert "MIT License" in readme and "Copyright (c) 2025 Fcr09" in readme
-    for line in (data / "mip-math500-12.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        assert row["source_repo"] == "MingLiiii/MiP-Overthinking" and row["source_commit"]
-        assert row["trace"] and row["problem"]
+    for name in ("mip-math500-12.jsonl", "mip-math500-report-12.jsonl"):
+        for line in (data / name).read_text().splitlines():
+            row = json.loads(line)
+            assert row["source_repo"] == "MingLiiii/MiP-Overthinking" and row["source_commit"]
+            assert row["trace"] and row["problem"]
+
+
+def test_the_report_set_shares_nothing_with_what_knobs_were_chosen_on():
+    """No knob is reported on the traces it was chosen on: the report traces are other traces,
+    of other problems, than the tuning set, and none of the Wave profile's; the same mix of
+    models, long enough for 2,048 tokens."""
+    data = ROOT / "examples" / "data"
+
+    def rows(name: str) -> list[dict]:
+        return [json.loads(line) for line in (data / name).read_text().splitlines() if line.strip()]
+
+    tuning, report = rows("mip-math500-12.jsonl"), rows("mip-math500-report-12.jsonl")
+    profile = json.loads((ROOT / "src/reasonkv/profiles/smollm2-135m.json").read_text())["traces"]
+    assert len(report) == 12 and len({r["id"] for r in report}) == 12
+    assert not {r["id"] for r in report} & ({r["id"] for r in tuning} | set(profile))
+    problems = [r["math500_unique_id"] for r in report]
+    assert len(set(problems)) == 12 and not set(problems) & {r["math500_unique_id"] for r in tuning}
+    assert sorted(r["model"] for r in report) == sorted(r["model"] for r in tuning)
+    assert all(r["variant"] == "well_posed" and r["n_chars"] > 9000 for r in report)
 
 
 @pytest.mark.model
