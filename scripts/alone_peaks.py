@@ -10,6 +10,11 @@ compare it with the cache's meter and with a replay alone) and prints, per metho
 knobs, the mean over traces next to the batched record; units it cannot follow (per-head
 splits, RPC's growing cache, quantized storage) are listed as such.
 
+Beside it, the peak of everything a sequence alone holds (K/V, slot indices, query windows,
+beacon buffers, policy state) as a bf16 server holds it: predicted the same way on the model
+loaded in bf16 (`alone_peak_state_bytes_16bit`; tensors that stay fp32 by design, such as H2O's
+accumulated attention, at their 4 bytes).
+
     python scripts/alone_peaks.py docs/results/replay-sweep-peak.jsonl --out alone-peaks.json
 """
 
@@ -21,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from reasonkv.core.models import load_model
-from reasonkv.harness.bench.capacity import peak_kv_slots, slot_bytes
+from reasonkv.harness.bench.capacity import peak_kv_slots, peak_state_bytes, slot_bytes
 from reasonkv.harness.report import load_records
 from reasonkv.methods.api import make_cache
 
@@ -33,24 +38,34 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     args = p.parse_args()
     model, _ = load_model(args.model, device="cpu", dtype="float32")
+    half, _ = load_model(args.model, device="cpu", dtype="bfloat16")
     per_slot = slot_bytes(model)  # fp32, as the sweep ran; at 16 bits: half
     records, _ = load_records([args.results])
     groups: dict[tuple, list] = defaultdict(list)
+    states: dict[tuple, int] = {}
     for r in records:
         c, m = r["config"], r["metrics"]
         if r.get("status") != "ok" or c["kind"] != "replay" or c.get("budget") is None:
             continue
-        key = (c["method"], c["budget"], json.dumps(c.get("knobs", {}), sort_keys=True))
-        cache = make_cache(model, c["method"], c["budget"], **c.get("knobs", {}))
+        knobs = c.get("knobs", {})
+        key = (c["method"], c["budget"], json.dumps(knobs, sort_keys=True))
+        cache = make_cache(model, c["method"], c["budget"], **knobs)
+        prompt, n = m["prompt_len"], m["tokens"] - 1 - m["prompt_len"]
         try:
-            slots = peak_kv_slots(cache, m["prompt_len"], m["tokens"] - 1 - m["prompt_len"], decode_only=True)
+            slots = peak_kv_slots(cache, prompt, n, decode_only=True)
         except ValueError as err:
-            groups[key].append((None, m.get("decode_peak_kv_bytes"), str(err)))
+            groups[key].append((None, m.get("decode_peak_kv_bytes"), str(err), None))
             continue
-        groups[key].append((slots * per_slot, m.get("decode_peak_kv_bytes"), None))
+        if (key, prompt, n) not in states:
+
+            def fresh(c: dict = c, knobs: dict = knobs):
+                return make_cache(half, c["method"], c["budget"], **knobs)
+
+            states[key, prompt, n] = peak_state_bytes(half, fresh(), fresh(), prompt, n, decode_only=True)[0]
+        groups[key].append((slots * per_slot, m.get("decode_peak_kv_bytes"), None, states[key, prompt, n]))
     rows = []
     for (method, budget, knobs), units in sorted(groups.items()):
-        batched = [b for _, b, _ in units if b is not None]
+        batched = [b for _, b, _, _ in units if b is not None]
         row = {
             "method": method,
             "budget": budget,
@@ -58,11 +73,12 @@ def main() -> None:
             "traces": len(units),
             "batched_peak_kv_bytes": sum(batched) / len(batched) if batched else None,
         }
-        if any(a is None for a, _, _ in units):
-            row["alone_peak_kv_bytes"] = None
-            row["why_not"] = next(w for _, _, w in units if w)
+        if any(a is None for a, _, _, _ in units):
+            row["alone_peak_kv_bytes"] = row["alone_peak_state_bytes_16bit"] = None
+            row["why_not"] = next(w for _, _, w, _ in units if w)
         else:
-            row["alone_peak_kv_bytes"] = sum(a for a, _, _ in units) / len(units)
+            row["alone_peak_kv_bytes"] = sum(a for a, _, _, _ in units) / len(units)
+            row["alone_peak_state_bytes_16bit"] = sum(st for _, _, _, st in units) / len(units)
         rows.append(row)
         mib = lambda x: "-" if x is None else f"{x / 2**20:7.2f}"  # noqa: E731
         ratio = (
@@ -73,7 +89,8 @@ def main() -> None:
         label = f"{method}@{budget}" + (f" {knobs}" if knobs != "{}" else "")
         print(
             f"{label:50s} alone {mib(row['alone_peak_kv_bytes'])} MiB  batched "
-            f"{mib(row['batched_peak_kv_bytes'])} MiB  batched/alone {ratio}"
+            f"{mib(row['batched_peak_kv_bytes'])} MiB  batched/alone {ratio}  "
+            f"state alone @16-bit {mib(row['alone_peak_state_bytes_16bit'])} MiB"
         )
     if args.out is not None:
         args.out.write_text(
