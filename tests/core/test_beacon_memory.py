@@ -105,3 +105,35 @@ def test_the_query_window_as_codes_holds_a_quarter_of_the_bytes_and_decodes_with
     greedy_loop(model, prompt, both, 60)
     assert both.n_compressions > 0
     assert both.memory()["state_bytes"] == held_bytes(walk_tensors(both))[0]
+
+
+def test_codes_keep_their_bound_and_the_model_dtype_on_a_bf16_model() -> None:
+    """bf16: the scale is rounded to bf16 before the codes are taken (half a scale still holds),
+    and beacon scales stay in the model's dtype after the buffers are fed."""
+    x = torch.randn(4, 6, 9, D).to(torch.bfloat16) * 3
+    codes, scale = encode_vectors(x)
+    assert scale.dtype == torch.bfloat16
+    err = (decode_vectors(codes, scale) - x.float()).abs() / scale.float().clamp(min=1e-30)
+    assert float(err.max()) <= 0.5 + 1e-3
+    half = build_tiny_model("llama").to(torch.bfloat16)
+    cache = reasonkv.make_cache(half, "beaconkv", 24, beacon_bits=8, window_bits=8)
+    greedy_loop(half, random_prompt(10, seed=2), cache, 60)
+    st = cache.layers[0].states.scorer
+    assert int(st.count.max()) > 0 and st.scale.dtype == torch.bfloat16
+    assert cache.layers[0].window._scale.dtype == torch.bfloat16
+
+
+def test_with_codes_the_beacons_do_not_depend_on_how_many_arrive_at_once() -> None:
+    """beacon_bits=8: each query is rounded to its codes before FPS sees it, so feeding one at a
+    time or eight at a time keeps the same beacons, as at 16 bits."""
+    model = tiny_model("llama", "sdpa", 2)
+    prompt = random_prompt(10, seed=7)
+    caches = [reasonkv.make_cache(model, "beaconkv", 24, beacon_bits=8, upkeep_every=u) for u in (1, 8)]
+    for cache in caches:
+        greedy_loop(model, prompt, cache, 90)
+        cache.policy.scorer.flush(cache.layers[0].states.scorer, cache.policy.rope_inv_freq)  # the queue too
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        sa, sb = a.states.scorer, b.states.scorer
+        assert int(sa.count.min()) > 0
+        assert torch.equal(sa.count, sb.count) and torch.equal(sa.beacons, sb.beacons)
+        assert torch.equal(a.token_index, b.token_index)

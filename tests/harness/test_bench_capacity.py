@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import N_LAYERS, random_prompt, tiny_model
+from conftest import N_LAYERS, build_tiny_model, greedy_loop, random_prompt, tiny_model
 from reasonkv.harness import bench
 from reasonkv.methods.api import make_cache
 
@@ -229,3 +229,32 @@ def test_a_batch_capacity_run_fits_its_memory_and_reports_each_run() -> None:
         assert r["batch_ratio"] == r["batch"] / 2
     assert results[0]["top1_agreement"] == 1.0 and results[0]["aggregate_ratio"] == 1.0
     assert len(record["reference"]["tokens"]) == n and record["prompt_tokens"] == PROMPT
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("prompt", [10, 40], ids=["prompt-below-trigger", "prompt-past-trigger"])
+@pytest.mark.parametrize(
+    ("method", "knobs"),
+    [
+        ("streaming", {}),
+        ("h2o", {}),
+        ("snapkv", KNOBS),
+        ("beaconkv", {}),
+        ("beaconkv", {"beacon_bits": 8, "window_bits": 8, "upkeep_every": 1}),
+        ("initial-recent", {"beacon_bits": 8}),
+    ],
+    ids=["streaming", "h2o", "snapkv", "beaconkv", "beaconkv-8bit", "initial-recent-8bit"],
+)
+def test_the_predicted_state_peak_is_the_meters(method: str, knobs: dict, prompt: int, dtype) -> None:
+    """One sequence through a prompt and 40 tokens: the predicted peak of everything it holds
+    (and what the cache holds whatever its batch) is what the meter saw, byte for byte, in fp32
+    and bf16, whether the peak falls while decoding or in a prompt past the trigger."""
+    model = build_tiny_model("llama").to(dtype)
+
+    def fresh():
+        return make_cache(model, method, 24, **knobs)
+
+    per_sequence, per_cache = bench.peak_state_bytes(model, fresh(), fresh(), prompt, 40)
+    cache = fresh()
+    greedy_loop(model, random_prompt(prompt, 5), cache, 40)
+    assert cache.kv_meter.peak_state == per_sequence + per_cache

@@ -231,6 +231,8 @@ class CompressedCache(Cache):
         self.event_log.clear()  # and its own compressions
         self._fed_tail, self._fed_end = None, 0
         self._count_own()
+        for layer in self.layers:  # what each still holds (its budgets), counted again
+            layer._count_beside()
 
     @property
     def timer(self) -> StepTimer:

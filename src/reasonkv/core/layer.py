@@ -116,6 +116,7 @@ class CompressedLayer(CacheLayerMixin):
         self.budgets = budgets.clone()  # [H] per-head budget of this layer
         self.policy = policy
         self.plan = policy.schedule.plan([int(b) for b in self.budgets.tolist()])
+        self.targets = torch.tensor(self.plan.targets)  # [H], moved to the keys' device when they come
         # Every layer's scorer state, one list per cache: scorers batch work across layers (BeaconKV).
         self.scorer_states = [None] * (layer_idx + 1) if scorer_states is None else scorer_states
         self.timer: StepTimer = NO_TIMER
@@ -158,7 +159,7 @@ class CompressedLayer(CacheLayerMixin):
         self.compressions: torch.Tensor | None = None  # [B] compressions each row took part in
         self.n_compressions = 0  # compressions of this layer (any rows)
         self.is_initialized = False
-        self.meter.hold_beside(self.layer_idx, 0, 0)
+        self._count_beside()  # its budgets and targets, held from the start
 
     def reset(self) -> None:
         self._reset_state()
@@ -180,7 +181,7 @@ class CompressedLayer(CacheLayerMixin):
         if fmt is not None and fmt.low_budget:
             self.low_tier = LowTier(b, h, self.device, fmt, self.meter)
         self.budgets = self.budgets.to(self.device)
-        self.targets = torch.tensor(self.plan.targets, device=self.device)
+        self.targets = self.targets.to(self.device)
         self.compressions = torch.zeros(b, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
@@ -507,7 +508,7 @@ class CompressedLayer(CacheLayerMixin):
         """What the layer holds beside K/V: slot indices, per-token state and counts (both tiers),
         the query window, its budgets and counters, and its policies' states."""
         if self.storage is None:
-            return []
+            return [self.budgets, self.targets]
         low = [] if self.low_tier is None else self.low_tier.beside_tensors()
         return self.storage.beside_tensors() + low + self._own_tensors()
 

@@ -37,11 +37,11 @@ def tensor_bytes_16bit(t: torch.Tensor) -> int:
 def held_bytes(tensors: list[torch.Tensor]) -> tuple[int, int]:
     """Bytes the distinct storages under `tensors` hold (a view holds its whole storage, and two
     views of one storage count once): as held, and with floating-point elements at 16 bits."""
-    seen: set[tuple[int, str]] = set()
+    seen: set[tuple[int, torch.device]] = set()
     total = total_16bit = 0
     for t in tensors:
         storage = t.untyped_storage()
-        key = (storage.data_ptr(), str(t.device))
+        key = (storage.data_ptr(), t.device)
         if key in seen:
             continue
         seen.add(key)

@@ -13,12 +13,17 @@ import torch
 LEVELS = 127
 
 
-def encode_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (codes [..., D] int8, scale [..., 1] in x's dtype). A zero vector codes as
-    zeros with scale 0."""
-    scale = x.abs().amax(-1, keepdim=True).float() / LEVELS
+def encode_vectors(
+    x: torch.Tensor, scale_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes [..., D] int8, scale [..., 1] in `scale_dtype`, x's by default). The
+    scale is rounded to its dtype before the codes are taken against it, so |x - x̂| <= scale / 2
+    holds for the scale as stored (up to its own rounding for the largest element, which clamps
+    at 127). A zero vector codes as zeros with scale 0."""
+    dtype = x.dtype if scale_dtype is None else scale_dtype
+    scale = (x.abs().amax(-1, keepdim=True).float() / LEVELS).to(dtype).float()
     codes = torch.where(scale > 0, x.float() / scale.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-    return codes.round().clamp(-LEVELS, LEVELS).to(torch.int8), scale.to(x.dtype)
+    return codes.round().clamp(-LEVELS, LEVELS).to(torch.int8), scale.to(dtype)
 
 
 def decode_vectors(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

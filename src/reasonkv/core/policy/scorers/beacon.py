@@ -117,7 +117,7 @@ def add_points(
             buf = torch.where(full[..., None, None], shrunk, buf)
             count = torch.where(full, beacon_min, count)
         start += k
-    return buf[:, :, :m_max].contiguous(), count
+    return buf[:, :, :m_max].clone(memory_format=torch.contiguous_format), count  # not a view of buf
 
 
 def _weakly(group: list) -> list:
@@ -150,11 +150,12 @@ class BeaconState(PolicyState):
         return self.beacons if self.scale is None else decode_vectors(self.beacons, self.scale)
 
     def hold(self, points: torch.Tensor, count: torch.Tensor) -> None:
-        """Keep `points` [B, X, M, D] as the buffers (as codes again, when they are codes)."""
+        """Keep `points` [B, X, M, D] as the buffers (as codes again, scales in the model's dtype,
+        when they are codes)."""
         if self.scale is None:
             self.beacons = points
         else:
-            self.beacons, self.scale = encode_vectors(points)
+            self.beacons, self.scale = encode_vectors(points, self.scale.dtype)
         self.count = count
 
 
@@ -173,8 +174,9 @@ class BeaconKVScorer(Scorer):
     it. The queue is the cache's own query history (`query_backlog`), so a decode step only
     counts: no tensor op per layer. The queue is held beside the K/V (16 + 8 queries a head and
     layer, not the 16 scoring reads): a feed of all layers costs about as much for one query as
-    for eight, so feeding every step (upkeep_every=1, 17 held) made BeaconKV's own work per step
-    1.9-2.7x (benchmarks/beacon_upkeep.py); 32 (48 held) was the default before the state meter."""
+    for 32, so feeding every step (upkeep_every=1, 17 held) made BeaconKV's own work per step
+    1.9-2.7x that at 32 (benchmarks/beacon_upkeep.py); 8 feeds a quarter as often as 1 (not
+    measured at 8). 32 (48 held) was the default before the state meter."""
     beacon_scope: Literal["query_head", "kv_head"] = "query_head"
     beacon_feed: Literal["all", "generated", "no_sinks"] = "generated"
     beacon_bits: Literal[16, 8] = 16
@@ -361,6 +363,9 @@ class BeaconKVScorer(Scorer):
             g = hq // h
             points = pre.reshape(b, h, g, n, d).transpose(2, 3).reshape(b, h, n * g, d)
             valid = fed[:, None, :, None].expand(b, h, n, g).reshape(b, h, -1)
+        if self.beacon_bits == 8:  # rounded as they will be held before FPS sees them, so the
+            # beacons do not depend on how many arrive at once (upkeep_every)
+            points = decode_vectors(*encode_vectors(points, members[0].scale.dtype))
         if len(members) == 1:
             beacons, count = members[0].points(), members[0].count
         else:
@@ -374,7 +379,7 @@ class BeaconKVScorer(Scorer):
         # Copies, not views of the stacked tensors: each layer then holds its own buffers (and
         # only them), and the stack is freed.
         for m, buf, cnt in zip(members, beacons.split(rows), count.split(rows), strict=True):
-            m.hold(buf.clone(), cnt.clone())
+            m.hold(buf.clone() if m.scale is None else buf, cnt.clone())  # codes are new tensors
 
     def _admit(
         self, beacons: torch.Tensor, count: torch.Tensor, points: torch.Tensor, valid: torch.Tensor

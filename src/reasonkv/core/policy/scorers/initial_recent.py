@@ -32,7 +32,7 @@ def keep_first_points(
     # One slot past the end takes the dropped points, so the scatter needs no condition.
     buf = torch.cat([held, held.new_zeros(b, x, 1, d)], dim=2)
     buf.scatter_(2, torch.where(taken, slot, m)[..., None].expand(-1, -1, -1, d), points.to(buf.dtype))
-    return buf[:, :, :m].contiguous(), count + taken.sum(-1)
+    return buf[:, :, :m].clone(memory_format=torch.contiguous_format), count + taken.sum(-1)  # not a view
 
 
 @dataclass
