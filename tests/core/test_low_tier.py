@@ -307,7 +307,7 @@ def test_a_low_tier_adds_no_host_syncs(method) -> None:
     every-step eviction reads nothing (the tier grows by a slot until its budget)."""
     model = tiny_model("llama")
     budget, knobs = BUDGETS[method]
-    counts = {}
+    counts, quiet = {}, {}
     for low in (0, 8):
         cache = make_cache(model, method, budget=budget, low_budget=low, **knobs)
         ids = random_prompt(10, 3)
@@ -320,10 +320,13 @@ def test_a_low_tier_adds_no_host_syncs(method) -> None:
                 with SyncRecorder() as rec:
                     out = model(input_ids=token, cache=cache, use_cache=True)
                 steps.append((cache.n_compressions - before, len(rec.calls)))
-        assert all(n_calls == 0 for n, n_calls in steps if n == 0)
+        quiet[low] = [n_calls for n, n_calls in steps if n == 0]
+        if not method.startswith("beaconkv"):  # BeaconKV's backlog feeds on a quiet step (test_host_syncs)
+            assert all(n_calls == 0 for n_calls in quiet[low])
         assert low == 0 or int(cache.memory()["low_tier_tokens"].min()) > 0
         counts[low] = max(n_calls / n for n, n_calls in steps if n)
     assert counts[8] == counts[0], counts
+    assert quiet[8] == quiet[0]  # the tier adds none to a quiet step
 
 
 @pytest.mark.parametrize(
