@@ -99,22 +99,23 @@ def peak_held(
     the cache's meter counts them: `kv_bytes` per K/V slot held (`layers`' reallocations, steps 0
     to `n_steps`) and what each layer holds beside K/V as it last recounted it (a layer recounts
     at the end of its step: `beside[i](slots, step)` for layer i of `slots` slots after `step`)."""
-    total = 0
-    peak = 0
+    total = peak = held_beside = 0  # K/V slots held; the most bytes; all layers' last recounts
     recounted = [0] * len(layers)  # what each layer held beside K/V at its last recount
     capacity = [0] * len(layers)
     for step in range(n_steps + 1):
         if 0 < step and since <= step:  # what is held when the step begins
-            peak = max(peak, total * kv_bytes + sum(recounted))
+            peak = max(peak, total * kv_bytes + held_beside)
         for i, events in enumerate(layers):
             for old, new in events.get(step, ()):
                 if step >= since:  # the old and new storage held together
-                    peak = max(peak, (total + new) * kv_bytes + sum(recounted))
+                    peak = max(peak, (total + new) * kv_bytes + held_beside)
                 total += new - old
                 capacity[i] = new
-            recounted[i] = beside[i](capacity[i], step)
+            now = beside[i](capacity[i], step)
+            held_beside += now - recounted[i]
+            recounted[i] = now
             if step >= since:
-                peak = max(peak, total * kv_bytes + sum(recounted))
+                peak = max(peak, total * kv_bytes + held_beside)
     return peak
 
 
