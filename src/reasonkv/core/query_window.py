@@ -85,15 +85,21 @@ class QueryWindow:
         self.query_index = torch.cat([self.query_index[:, drop:], index], dim=1)
         self.query_positions = torch.cat([self.query_positions[:, drop:], positions], dim=1)
 
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Kept queries [start, end) with their indices and positions (only those decoded)."""
+        if self._scale is None:
+            queries = self._held[:, :, start:end]
+        else:
+            queries = decode_vectors(self._held[:, :, start:end], self._scale[:, :, start:end]).to(
+                self._dtype
+            )
+        return queries, self.query_index[:, start:end], self.query_positions[:, start:end]
+
     def last(self, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The newest `n` kept queries with their indices and positions."""
         if self._held is None or self.size <= n:
             return self.queries, self.query_index, self.query_positions
-        if self._scale is None:
-            queries = self._held[:, :, -n:]
-        else:
-            queries = decode_vectors(self._held[:, :, -n:], self._scale[:, :, -n:]).to(self._dtype)
-        return queries, self.query_index[:, -n:], self.query_positions[:, -n:]
+        return self.span(self.size - n, self.size)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         for name in ("_held", "_scale", "query_index", "query_positions", "prompt_end"):

@@ -64,6 +64,8 @@ class QueryWindowView(Protocol):
     @property
     def size(self) -> int: ...  # queries kept
 
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
 
 class LayerView(Protocol):
     """What a policy may read about one layer (read-only: policies write only their state)."""

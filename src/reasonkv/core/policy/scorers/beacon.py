@@ -320,13 +320,7 @@ class BeaconKVScorer(Scorer):
                 continue
             st.pending = -n_ahead
             fed.append(st)
-            queues.append(
-                (
-                    win.queries[:, :, start:end],
-                    win.query_index[:, start:end],
-                    win.query_positions[:, start:end],
-                )
-            )
+            queues.append(win.span(start, end))  # decodes only the queued queries of 8-bit windows
         if fed:
             self._feed(fed, queues, inv_freq, attention_scaling)
 
