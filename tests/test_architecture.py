@@ -1,6 +1,6 @@
 """The package's shape, read from the source with `ast` (nothing is imported).
 
-Layers, lowest first: util < core.policy < core < methods < harness < cli; the facade
+Layers, lowest first: util < core.policy < core < methods < serving < harness < cli; the facade
 `reasonkv/__init__.py` sits on top. A module may import its own layer or a lower one; pure
 policy math imports no transformers; util imports no reasonkv module; no import cycles;
 policy classes are not type-checked outside core; files stay short; comments and
@@ -28,10 +28,11 @@ LAYERS = (  # (prefix, rank): the first matching prefix wins
     ("reasonkv.core.policy", 1),
     ("reasonkv.core", 2),
     ("reasonkv.methods", 3),
-    ("reasonkv.harness", 4),
-    ("reasonkv.cli", 5),
+    ("reasonkv.serving", 4),
+    ("reasonkv.harness", 5),
+    ("reasonkv.cli", 6),
 )
-LAYER_NAMES = {0: "util", 1: "core.policy", 2: "core", 3: "methods", 4: "harness", 5: "cli"}
+LAYER_NAMES = {0: "util", 1: "core.policy", 2: "core", 3: "methods", 4: "serving", 5: "harness", 6: "cli"}
 
 OUTSIDE_POINTERS = (
     ("DESIGN.md", re.compile(re.escape("DESIGN.md"))),
@@ -346,6 +347,15 @@ def test_policy_math_does_not_import_transformers() -> None:
     assert not bad, listing("core.policy must stay pure torch", bad)
 
 
+def test_only_the_vllm_adapter_imports_vllm() -> None:
+    """vLLM is an optional install: every module outside serving/vllm must import without it, and
+    the engine-agnostic request layer imports no engine (nor transformers) at all."""
+    outside = {n: m for n, m in MODULES.items() if not n.startswith("reasonkv.serving.vllm")}
+    bad = forbidden_third_party(outside, "reasonkv", "vllm")
+    bad += forbidden_third_party(MODULES, "reasonkv.serving.request_layer", "transformers")
+    assert not bad, listing("vllm imported outside reasonkv.serving.vllm", bad)
+
+
 def test_util_imports_no_reasonkv_module() -> None:
     bad = util_violations(GRAPH)
     assert not bad, listing("util must not import reasonkv", bad)
@@ -405,6 +415,7 @@ def test_the_layer_rules_catch_upward_edges_the_facade_and_util_imports() -> Non
         "reasonkv.core.cache": {"reasonkv.core.policy.base": 3, "reasonkv.methods.api": 4},
         "reasonkv.core.policy.base": {"reasonkv.core.policy.rope": 1, "reasonkv.core.models": 2},
         "reasonkv.harness.replay": {"reasonkv": 7},
+        "reasonkv.serving.request_layer": {"reasonkv.harness.replay": 8},
         "reasonkv.util.tables": {"reasonkv.util.formatting": 1},
         "reasonkv.extra": {},
     }
@@ -413,8 +424,9 @@ def test_the_layer_rules_catch_upward_edges_the_facade_and_util_imports() -> Non
         "reasonkv.core.cache:4 -> reasonkv.methods.api (core must not import methods)",
         "reasonkv.core.policy.base:2 -> reasonkv.core.models (core.policy must not import core)",
         "reasonkv.extra: belongs to no layer (reasonkv.util, reasonkv.core.policy, reasonkv.core, "
-        "reasonkv.methods, reasonkv.harness, reasonkv.cli)",
+        "reasonkv.methods, reasonkv.serving, reasonkv.harness, reasonkv.cli)",
         "reasonkv.harness.replay:7 -> reasonkv (the facade; import the module that defines it)",
+        "reasonkv.serving.request_layer:8 -> reasonkv.harness.replay (serving must not import harness)",
     ]
     assert util_violations(graph) == ["reasonkv.util.tables:1 -> reasonkv.util.formatting"]
     policy = {

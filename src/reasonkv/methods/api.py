@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import MappingProxyType
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch
 
 from reasonkv.core import attention
 from reasonkv.core.cache import CompressedCache, LayerPolicy
-from reasonkv.core.models import attention_modules, model_shape
+from reasonkv.core.models import ModelShape, attention_modules, model_shape
 from reasonkv.core.policy.knob import MAX_TOKENS
 from reasonkv.methods.knobs import (
     KnobError,
@@ -132,13 +132,41 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
     that says what to change; `knobs.check_storage_pays`; `unchecked_storage` lifts that). Left
     unset, `residual` is a quarter of the budget, at most 32 (`quantize.default_residual`).
     """
+    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+    budgets, policy = build_policy(
+        method,
+        budget,
+        model_shape(model),
+        getattr(rotary, "inv_freq", None),
+        float(getattr(rotary, "attention_scaling", 1.0)),
+        _demand_loader(model),
+        **overrides,
+    )
+    install_attention(model)
+    modules = attention_modules(model)
+    return CompressedCache(
+        budgets, policy, method=method, attention_modules=modules, scaling=float(modules[0].scaling)
+    )
+
+
+def build_policy(
+    method: str,
+    budget: int | None,
+    shape: ModelShape,
+    rope_inv_freq: torch.Tensor | None,
+    rope_attention_scaling: float = 1.0,
+    load_demand: Callable[[str | None], list[float]] | None = None,
+    **overrides: Any,
+) -> tuple[torch.Tensor, LayerPolicy]:
+    """The budgets [layers, KV heads] and the checked `LayerPolicy` of `method` for a model of
+    `shape`: what `make_cache` builds its cache from, and what a serving engine's adapter runs.
+    Knobs are checked as everywhere else (a KnobError in one line)."""
     spec = get_method(method)
     knobs = check_knobs(spec, overrides)
     budget = check_budget(spec, budget, knobs)
-    shape = model_shape(model)
     parts = build_parts(spec, at_budget(spec, budget, knobs))
     protected = parts.protected
-    stats = {"min_budget": _min_budget(parts.schedule, protected), "load_demand": _demand_loader(model)}
+    stats = {"min_budget": _min_budget(parts.schedule, protected), "load_demand": load_demand}
     budgets = parts.allocator.allocate(shape.n_layers, shape.n_kv_heads, budget, stats).long()
     if spec.compresses:
         smallest = min(parts.schedule.target(int(b)) for b in budgets.flatten().tolist())
@@ -151,26 +179,21 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
         plans = [parts.schedule.plan([int(b) for b in layer.tolist()]) for layer in budgets]
         heads = (shape.n_kv_heads, shape.head_dim)
         check_storage_pays(spec, budget, parts, plans, heads, "residual" in knobs)
-    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
-    if parts.storage.pre_rope and getattr(rotary, "inv_freq", None) is None:
+    if parts.storage.pre_rope and rope_inv_freq is None:
         raise KnobError(
             f"parameters of {method!r} do not fit the model: pre_rope needs its RoPE inverse "
             "frequencies (model.model.rotary_emb.inv_freq), and it has none"
         )
-    install_attention(model)
-    modules = attention_modules(model)
     policy = LayerPolicy(
         scorer=parts.scorer,
         schedule=parts.schedule,
         head_allocator=parts.head_allocator,
-        rope_inv_freq=getattr(rotary, "inv_freq", None),
-        rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+        rope_inv_freq=rope_inv_freq,
+        rope_attention_scaling=rope_attention_scaling,
         kv_format=parts.storage,
         **parts.protection,
     )
-    return CompressedCache(
-        budgets, policy, method=method, attention_modules=modules, scaling=float(modules[0].scaling)
-    )
+    return budgets, policy
 
 
 class CacheFactory:

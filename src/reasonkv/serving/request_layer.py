@@ -1,0 +1,193 @@
+"""One layer of one request whose K/V live in a serving engine's own memory.
+
+A serving engine (vLLM) stores the keys and values in its paged cache and attends with its own
+kernel; what reasonkv adds is the decision of which tokens to keep. `RequestLayer` is the
+engine's side of the policy contract for one (request, layer): it keeps what a policy reads
+(`LayerView`: which token each slot holds, the per-token scorer state, the query window and the
+policies' own states) and runs the same hooks, in the same order, as `CompressedLayer` does in
+transformers: `on_step` with every query of the forward, the window update, the schedule's
+trigger, `score`, the schedule's `keep`, and the shared `select_tokens`. It never holds K/V: the
+engine hands them over (`read_kv`) when a hook needs them, and compacts its own storage to the
+slots this returns.
+
+One block table is shared by all layers and heads of a request, so every head must keep the
+same number of tokens: only methods with one budget for every layer and head run here (the
+adapter refuses the others by name before the engine starts).
+
+Pure torch: nothing here imports an engine or transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from reasonkv.core.cache import LayerPolicy
+from reasonkv.core.memory_meter import held_bytes
+from reasonkv.core.policy.base import Observation
+from reasonkv.core.policy.contract import BudgetPlan, PolicyState, Scorer
+from reasonkv.core.policy.selection import protected_mask, select_tokens
+from reasonkv.core.query_window import QueryWindow
+
+ReadKV = Callable[[], tuple[torch.Tensor, torch.Tensor]]
+"""Returns the request's stored keys and values of this layer, [1, H, T, D] each, in slot order."""
+
+
+class RequestLayer:
+    """The `LayerView` of one request's layer, and its decode step (batch of one row)."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        budgets: torch.Tensor,
+        policy: LayerPolicy,
+        scorer_states: list,
+        prompt_end: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if policy.head_allocator is not None:
+            raise ValueError("a request layer keeps one budget a head: no head allocator")
+        self.layer_idx = layer_idx
+        self.policy = policy
+        self.budgets = budgets.to(device)
+        self.plan: BudgetPlan = policy.schedule.plan([int(b) for b in budgets.tolist()])
+        self.targets = torch.tensor(self.plan.targets, device=device)
+        self.scorer_states = scorer_states
+        self.dtype, self.device, self.head_dim = dtype, device, head_dim
+        h = budgets.numel()
+        self.token_index = torch.empty(1, h, 0, dtype=torch.long, device=device)
+        self.token_state = {
+            n: torch.zeros(1, h, 0, device=device) for n in policy.scorer.state_names
+        }  # [1, H, T] each, as KVStorage keeps them
+        self.window = QueryWindow(policy.scorer.window_bits)
+        self.window.prompt_end = torch.tensor([prompt_end], device=device)
+        self.seen = 0
+        self.n_query_heads = 0
+        self.states: tuple[PolicyState | None, PolicyState | None] | None = None
+        scorer: Scorer = policy.scorer
+        self._window_size = max(scorer.window, 1)
+        self._window_keep = self._window_size + scorer.query_backlog
+        self._observes_steps = type(scorer).on_step is not Scorer.on_step
+        self.compressions = 0
+
+    # ------------------------------------------------------------ LayerView
+    @property
+    def n_valid(self) -> torch.Tensor:
+        return torch.full_like(self.budgets, self.length)[None]
+
+    @property
+    def live_upper(self) -> int:
+        return self.length * self.budgets.numel()
+
+    @property
+    def length(self) -> int:
+        """Slots the request holds in this layer (every head the same)."""
+        return self.token_index.shape[-1]
+
+    @property
+    def n_recent(self) -> int:
+        return self.policy.n_recent
+
+    @property
+    def n_sink(self) -> int:
+        return self.policy.n_sink
+
+    @property
+    def shape(self) -> tuple[int, int, int, torch.device]:
+        return 1, self.budgets.numel(), self.head_dim, self.device
+
+    # ------------------------------------------------------------ the step
+    def step(
+        self,
+        query: torch.Tensor,
+        positions: torch.Tensor,
+        read_kv: ReadKV,
+        scaling: float,
+        may_compress: bool = True,
+    ) -> torch.Tensor | None:
+        """One forward of q new tokens, already written by the engine after the held slots and
+        attended to: `query` [1, Hq, q, D] post-RoPE, `positions` [q] their RoPE positions.
+
+        Returns the slots [H, K] each head keeps (ascending) when the layer compresses, else
+        None. `may_compress=False` (a prompt chunk before the prompt's last) only observes."""
+        q = query.shape[2]
+        first = self.seen
+        new = torch.arange(first, first + q, device=self.device).expand(1, self.budgets.numel(), q)
+        self.token_index = torch.cat([self.token_index, new], dim=-1)
+        for name, tensor in self.token_state.items():
+            self.token_state[name] = torch.cat([tensor, tensor.new_zeros(1, tensor.shape[1], q)], dim=-1)
+        self.seen += q
+        index, positions = self.window.label(query, first, None, positions[None])
+        if self.states is None:
+            self.n_query_heads = query.shape[1]
+            policy = self.policy
+            self.states = (policy.scorer.new_state(self), policy.schedule.new_state(self))
+            self.scorer_states[self.layer_idx] = self.states[0]
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def stored() -> tuple[torch.Tensor, torch.Tensor]:
+            if not kv:
+                kv.append(read_kv())
+            return kv[0]
+
+        if self._observes_steps:
+            self.policy.scorer.on_step(
+                self._observation(query.detach(), index, positions, scaling), stored()[0]
+            )
+        self.window.keep(query, index, positions, self._window_keep)
+        if not may_compress:
+            return None
+        schedule = self.policy.schedule
+        rows = schedule.rows_to_compress(self, self.states[1])
+        if rows is None or not bool(rows.all()):
+            return None
+        keys, values = stored()
+        obs = self._observation(*self.window.last(self._window_size), scaling)
+        scores = self.policy.scorer.score(obs, keys, values)
+        keep = schedule.keep(self, self.states[1])
+        return self._select(keep, scores)
+
+    def _select(self, keep: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        policy = self.policy
+        prompt_end = self.window.prompt_end if policy.protect_prompt else None
+        protected = protected_mask(self.token_index, policy.n_sink, policy.n_recent, prompt_end)
+        slots, new_len = select_tokens(scores, self.token_index, keep, protected)
+        kept = int(new_len.min())
+        if kept != int(new_len.max()):
+            raise RuntimeError(
+                f"layer {self.layer_idx}: heads keep {new_len.tolist()} tokens; a shared block table "
+                "needs one count for every head"
+            )
+        slots = slots[0, :, :kept]
+        self.token_index = self.token_index.gather(2, slots[None])
+        self.token_state = {n: t.gather(2, slots[None]) for n, t in self.token_state.items()}
+        self.compressions += 1
+        return slots
+
+    def _observation(self, queries, index, positions, scaling: float) -> Observation:
+        policy = self.policy
+        return Observation(
+            queries=queries,
+            query_index=index,
+            token_index=self.token_index,
+            scaling=scaling,
+            state=self.token_state,
+            layer_idx=self.layer_idx,
+            query_positions=positions,
+            rope_inv_freq=policy.rope_inv_freq,
+            rope_attention_scaling=policy.rope_attention_scaling,
+            prompt_end=self.window.prompt_end,
+            targets=self.targets,
+            scorer_state=None if self.states is None else self.states[0],
+        )
+
+    def state_bytes(self) -> int:
+        """Bytes held beside the engine's K/V: slot indices, per-token state, window, policy states."""
+        tensors = [self.token_index, *self.token_state.values(), *self.window.tensors()]
+        for state in self.states or ():
+            if state is not None:
+                tensors += [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
+        return held_bytes(tensors)[0]

@@ -1,0 +1,94 @@
+"""`RequestLayer` (the engine side of the policy contract) keeps exactly what `CompressedLayer`
+keeps in transformers, fed the same queries, keys and values: the vLLM adapter's decisions are
+the HF path's, and what differs between the two engines is only where K/V live.
+
+The HF run is recorded layer by layer (each forward's new keys and values, its queries and
+positions, and the tokens each head holds afterwards); the same forwards are then replayed into
+one RequestLayer per layer over a plain contiguous store that compacts to the slots it returns.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reasonkv
+from conftest import greedy_loop, random_prompt, tiny_model
+from reasonkv.core.layer import CompressedLayer
+from reasonkv.core.policy.base import EMPTY
+from reasonkv.serving.request_layer import RequestLayer
+
+METHODS = [
+    ("streaming", 24, {}),
+    ("h2o", 24, {}),
+    ("tova", 24, {}),
+    ("snapkv", 16, {"interval": 8}),
+    ("rkv", 16, {"interval": 8}),
+    ("random", 32, {}),
+    ("recent-query", 32, {}),
+    ("beaconkv", 32, {}),
+    ("initial-recent", 32, {}),
+    ("rpc", 8, {"ratio": 2.0}),
+    ("snapkv", 16, {"interval": 8, "phase": "decode"}),
+]
+
+
+def record(monkeypatch, model, method, budget, knobs, prompt_len=20, steps=60):
+    """Each layer's forwards: (keys, values, query, positions, held index per head)."""
+    forwards: dict[int, list] = {}
+    pending: dict[int, list] = {}
+    update, after = CompressedLayer.update, CompressedLayer.after_attention
+
+    def spy_update(self, key_states, value_states, *args, **kwargs):
+        pending[self.layer_idx] = [key_states.clone(), value_states.clone()]
+        return update(self, key_states, value_states, *args, **kwargs)
+
+    def spy_after(self, query, positions, scaling):
+        after(self, query, positions, scaling)
+        index = self.token_index[0]
+        held = [sorted(int(i) for i in row if i != EMPTY) for row in index]
+        pos = positions if positions is not None else torch.arange(self.new_start, self.seen)[None]
+        forwards.setdefault(self.layer_idx, []).append(
+            (*pending.pop(self.layer_idx), query.clone(), pos[0].clone(), held, scaling)
+        )
+
+    monkeypatch.setattr(CompressedLayer, "update", spy_update)
+    monkeypatch.setattr(CompressedLayer, "after_attention", spy_after)
+    cache = reasonkv.make_cache(model, method, budget, **knobs)
+    greedy_loop(model, random_prompt(prompt_len, seed=3), cache, steps)
+    monkeypatch.undo()
+    return cache, forwards
+
+
+@pytest.mark.parametrize(("method", "budget", "knobs"), METHODS, ids=lambda v: str(v))
+def test_request_layers_keep_what_the_cache_keeps(monkeypatch, method, budget, knobs) -> None:
+    model = tiny_model("llama")
+    cache, forwards = record(monkeypatch, model, method, budget, knobs)
+    policy, budgets = cache.policy, cache.budgets
+    states = [None] * len(forwards)
+    compressions = 0
+    for layer_idx, steps in forwards.items():
+        layer = RequestLayer(
+            layer_idx, budgets[layer_idx], policy, states, prompt_end=20, head_dim=16,
+            dtype=torch.float32, device=torch.device("cpu"),
+        )  # fmt: skip
+        keys = values = None
+        for new_k, new_v, query, positions, held, scaling in steps:
+            keys = new_k if keys is None else torch.cat([keys, new_k], dim=2)
+            values = new_v if values is None else torch.cat([values, new_v], dim=2)
+            slots = layer.step(query, positions, lambda k=keys, v=values: (k, v), scaling)
+            if slots is not None:
+                index = slots[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
+                keys, values = keys.gather(2, index), values.gather(2, index)
+                compressions += 1
+            mine = [sorted(row) for row in layer.token_index[0].tolist()]
+            assert mine == held, f"layer {layer_idx} after token {layer.seen}"
+        assert layer.length == keys.shape[2]
+    assert compressions > 0, "the run never compressed: the comparison would prove nothing"
+
+
+def test_a_head_allocator_is_refused() -> None:
+    model = tiny_model("llama")
+    cache = reasonkv.make_cache(model, "adakv-snapkv", 16)
+    with pytest.raises(ValueError, match="one budget a head"):
+        RequestLayer(0, cache.budgets[0], cache.policy, [None], 4, 16, torch.float32, torch.device("cpu"))
