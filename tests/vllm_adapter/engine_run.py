@@ -2,8 +2,9 @@
 
 `python engine_run.py SPEC.json OUT.json` (a spawned engine needs a script of its own: vLLM's
 engine core is a separate process). SPEC: model (a folder), dtype, reasonkv (the
-additional_config entry, or null: off), prompts (lists of token ids), max_tokens, block_size,
-num_blocks, max_num_seqs, max_num_batched_tokens (null: vLLM's default). The environment chooses
+additional_config entry, or null: off), prompts (lists of token ids), max_tokens (one, or one a
+prompt), block_size, num_blocks, max_num_seqs, max_model_len, max_num_batched_tokens (null:
+vLLM's default). The environment chooses
 the rest: VLLM_PLUGINS=none runs plain vLLM; REASONKV_VLLM_TRACE records the adapter's steps.
 """
 
@@ -35,7 +36,12 @@ def main(spec_path: str, out_path: str) -> None:
         seed=0,
         **extra,
     )
-    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+    lengths = spec["max_tokens"]
+    if isinstance(lengths, int):
+        lengths = [lengths] * len(spec["prompts"])
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False) for n in lengths
+    ]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}

@@ -174,10 +174,29 @@ def patch_scheduler(scheduler_cls, manager_cls) -> None:
             lengths = getattr(model_runner_output, LENGTHS_ATTR, None)
             if lengths:
                 _release(self, lengths)
+            trace = trace_path()
+            if trace and runtime.is_on(self.vllm_config):
+                write_trace(
+                    trace, "step", running=len(self.running), waiting=len(self.waiting),
+                    free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+                    usage=self.kv_cache_manager.usage,
+                )  # fmt: skip
             return original(self, scheduler_output, model_runner_output)
 
         return run
 
+    def preempt(original):
+        def run(self, request, *args, **kwargs):
+            trace = trace_path()
+            if trace and runtime.is_on(self.vllm_config):
+                write_trace(
+                    trace, "preempt", request=request.request_id, computed=request.num_computed_tokens
+                )
+            return original(self, request, *args, **kwargs)
+
+        return run
+
+    _wrap(scheduler_cls, "_preempt_request", preempt)
     _wrap(manager_cls, "allocate_slots", allocate_slots)
     _wrap(manager_cls, "free", forgetting)
     _wrap(manager_cls, "pop_blocks_for_free", forgetting)

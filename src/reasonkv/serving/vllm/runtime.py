@@ -14,7 +14,7 @@ import torch
 from reasonkv.core.models import ModelShape
 from reasonkv.methods.api import build_policy
 from reasonkv.methods.knobs import KnobError
-from reasonkv.serving.vllm.settings import read_settings
+from reasonkv.serving.vllm.settings import CONFIG_KEY, read_settings
 from reasonkv.serving.vllm.worker_state import WorkerState
 
 logger = logging.getLogger("reasonkv.serving.vllm")
@@ -30,6 +30,12 @@ def worker_state(runner) -> WorkerState | None:
         if _STATES[key] is not None:
             _ACTIVE[:] = [_STATES[key]]
     return _STATES[key]
+
+
+def is_on(vllm_config) -> bool:
+    """Whether the engine runs with the adapter (its settings were checked at start)."""
+    extra = vllm_config.additional_config
+    return isinstance(extra, dict) and CONFIG_KEY in extra
 
 
 def active() -> WorkerState | None:
