@@ -3,8 +3,8 @@
 `python engine_run.py SPEC.json OUT.json` (a spawned engine needs a script of its own: vLLM's
 engine core is a separate process). SPEC: model (a folder), dtype, reasonkv (the
 additional_config entry, or null: off), prompts (lists of token ids), max_tokens (one, or one a
-prompt), block_size, num_blocks, max_num_seqs, max_model_len, max_num_batched_tokens (null:
-vLLM's default). The environment chooses
+prompt), extra_args (one a prompt, or null), block_size, num_blocks, max_num_seqs,
+max_model_len, max_num_batched_tokens (null: vLLM's default). The environment chooses
 the rest: VLLM_PLUGINS=none runs plain vLLM; REASONKV_VLLM_TRACE records the adapter's steps.
 """
 
@@ -39,8 +39,10 @@ def main(spec_path: str, out_path: str) -> None:
     lengths = spec["max_tokens"]
     if isinstance(lengths, int):
         lengths = [lengths] * len(spec["prompts"])
+    extra_args = spec.get("extra_args") or [None] * len(spec["prompts"])
     params = [
-        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False) for n in lengths
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=extra)
+        for n, extra in zip(lengths, extra_args, strict=True)
     ]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)

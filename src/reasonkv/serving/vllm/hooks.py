@@ -116,7 +116,8 @@ def _to_physical(runner, state, num_scheduled_tokens) -> None:
     block_rows = [rows[i, : int(table.num_blocks_per_row[i])] for i in range(n)]
     positions = runner.positions[:total].clone()
     prompts = [int(p) for p in batch.num_prompt_tokens[:n]]
-    state.batch = StepBatch(req_ids, first, counts, prompts, block_rows, positions)
+    extra = [getattr(runner.requests[rid].sampling_params, "extra_args", None) for rid in req_ids]
+    state.batch = StepBatch(req_ids, first, counts, prompts, extra, block_rows, positions)
     dropped = torch.tensor([state.dropped(rid) for rid in req_ids], dtype=torch.int64)
     if not bool(dropped.any()):
         return
@@ -175,7 +176,7 @@ def patch_scheduler(scheduler_cls, manager_cls) -> None:
             if lengths:
                 _release(self, lengths)
             trace = trace_path()
-            if trace and runtime.is_on(self.vllm_config):
+            if trace:  # also with the adapter off: a benchmark's plain run counts its steps too
                 write_trace(
                     trace, "step", running=len(self.running), waiting=len(self.waiting),
                     free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
@@ -230,6 +231,21 @@ def _release(scheduler, lengths: dict[str, int]) -> None:
                 freed=len(extra),
                 free_blocks=manager.block_pool.get_num_free_blocks(),
             )
+
+
+# ----------------------------------------------------------------------------- requests
+def patch_input_processor(processor_cls) -> None:
+    """Check a request's own settings where vLLM checks its sampling parameters (front end)."""
+
+    def validate(original):
+        def run(self, params, *args, **kwargs):
+            out = original(self, params, *args, **kwargs)
+            runtime.check_request(self.vllm_config, params)
+            return out
+
+        return run
+
+    _wrap(processor_cls, "_validate_params", validate)
 
 
 # ----------------------------------------------------------------------------- engine config

@@ -14,10 +14,11 @@ import torch
 from reasonkv.core.models import ModelShape
 from reasonkv.methods.api import build_policy
 from reasonkv.methods.knobs import KnobError
-from reasonkv.serving.vllm.settings import CONFIG_KEY, read_settings
+from reasonkv.serving.vllm.settings import CONFIG_KEY, read_settings, request_settings
 from reasonkv.serving.vllm.worker_state import WorkerState
 
-logger = logging.getLogger("reasonkv.serving.vllm")
+# A child of vLLM's logger: its lines come out in vLLM's format, beside vLLM's own.
+logger = logging.getLogger("vllm.plugins.reasonkv")
 _STATES: dict[int, WorkerState | None] = {}
 _ACTIVE: list[WorkerState] = []
 
@@ -30,6 +31,18 @@ def worker_state(runner) -> WorkerState | None:
         if _STATES[key] is not None:
             _ACTIVE[:] = [_STATES[key]]
     return _STATES[key]
+
+
+def check_request(vllm_config, params) -> None:
+    """A request's own settings (`SamplingParams.extra_args["reasonkv"]`), checked where vLLM
+    checks its parameters (the front end): a bad one is refused as that request's error."""
+    extra_args = getattr(params, "extra_args", None)
+    if not isinstance(extra_args, dict) or CONFIG_KEY not in extra_args:
+        return
+    settings = request_settings(read_settings(vllm_config.additional_config), extra_args)
+    if settings is not None:
+        build_policy(settings.method, settings.budget, model_shape_of(vllm_config.model_config.hf_config),
+                     None, 1.0, **settings.knobs)  # fmt: skip
 
 
 def is_on(vllm_config) -> bool:
@@ -76,12 +89,9 @@ def _build(vllm_config) -> WorkerState | None:
     if settings is None:
         return None
     hf_config = vllm_config.model_config.hf_config
-    shape = model_shape_of(hf_config)
-    inv_freq, scaling = rope_of(hf_config)
-    budgets, policy = build_policy(
-        settings.method, settings.budget, shape, inv_freq, scaling, **settings.knobs
+    return WorkerState(
+        settings, model_shape_of(hf_config), rope_of(hf_config), vllm_config.cache_config.block_size
     )
-    return WorkerState(budgets, policy, shape.n_layers, vllm_config.cache_config.block_size, shape.head_dim)
 
 
 def check_engine(vllm_config) -> None:

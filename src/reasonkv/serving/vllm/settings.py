@@ -3,16 +3,19 @@
 The adapter is on only when the engine's `additional_config` has a "reasonkv" entry:
 
     vllm.LLM(model=..., additional_config={"reasonkv": {"method": "snapkv", "budget": 512}})
-    vllm serve MODEL --additional-config '{"reasonkv": {"method": "beaconkv", "budget": 1024}}'
+    python -m vllm.entrypoints.openai.api_server --model MODEL \\
+        --additional-config '{"reasonkv": {"method": "beaconkv", "budget": 1024}}'
 
 Every other key of the entry is a knob of the method, checked by the same `check_knobs` as
 `make_cache` and the CLI, with the same one-line errors. Methods that need a budget per layer
 or per head, quantized storage or the two-tier cache are refused by name (`unsupported`): one
 block table, shared by every layer and KV head of a request, holds one length for all of them.
+A request may bring its own entry in `SamplingParams.extra_args` (`request_settings`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,16 +65,47 @@ def read_settings(additional_config: object) -> ServingSettings | None:
     Raises KnobError (a ValueError) in one line for anything it cannot run."""
     if not isinstance(additional_config, dict) or CONFIG_KEY not in additional_config:
         return None
-    entry = additional_config[CONFIG_KEY]
+    return _checked(additional_config[CONFIG_KEY], f'additional_config["{CONFIG_KEY}"]')
+
+
+def request_settings(engine: ServingSettings | None, extra_args: object) -> ServingSettings | None:
+    """One request's settings: the engine's, with the keys of `SamplingParams.extra_args
+    ["reasonkv"]` over them (another method, budget or knob), or None for `"reasonkv": false`
+    (this request is not compressed). The entry may also be that object as a JSON string (the
+    OpenAI server's `vllm_xargs` takes flat values only). Raises KnobError in one line."""
+    if not isinstance(extra_args, dict) or CONFIG_KEY not in extra_args:
+        return engine
+    entry = extra_args[CONFIG_KEY]
+    where = f'SamplingParams.extra_args["{CONFIG_KEY}"]'
+    if engine is None:
+        raise KnobError(f"{where} needs the engine to run reasonkv: start it with additional_config "
+                        f'{{"{CONFIG_KEY}": {{"method": ..., "budget": ...}}}}')  # fmt: skip
+    if isinstance(entry, str):  # the OpenAI server's vllm_xargs holds flat values: the entry as JSON
+        try:
+            entry = json.loads(entry)
+        except json.JSONDecodeError:
+            raise KnobError(f"{where} is a string, so it must be JSON, got {entry!r}") from None
+    if entry is False:
+        return None
+    if not isinstance(entry, dict):
+        raise KnobError(f'{where} must be false or an object such as {{"budget": 256}}, got {entry!r}')
+    if "method" in entry and entry["method"] != engine.method:
+        merged = dict(entry)  # another method: the engine's knobs may not be its knobs
+    else:
+        merged = {"method": engine.method, "budget": engine.budget, **engine.knobs, **entry}
+    merged.setdefault("budget", engine.budget)
+    return _checked(merged, where)
+
+
+def _checked(entry: object, where: str) -> ServingSettings:
     if not isinstance(entry, dict):
         raise KnobError(
-            f'additional_config["{CONFIG_KEY}"] must be an object such as {{"method": "snapkv", '
-            f'"budget": 512}}, got {entry!r}'
+            f'{where} must be an object such as {{"method": "snapkv", "budget": 512}}, got {entry!r}'
         )
     knobs = dict(entry)
     method = knobs.pop("method", None)
     if not isinstance(method, str):
-        raise KnobError(f'additional_config["{CONFIG_KEY}"] needs "method" (a method name), got {method!r}')
+        raise KnobError(f'{where} needs "method" (a method name), got {method!r}')
     try:
         spec = get_method(method)
     except ValueError as err:

@@ -18,8 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 from reasonkv.core.cache import LayerPolicy
+from reasonkv.core.models import ModelShape
+from reasonkv.methods.api import build_policy
 from reasonkv.serving.request_layer import RequestLayer
 from reasonkv.serving.vllm.paged_kv import TileLayout
+from reasonkv.serving.vllm.settings import ServingSettings, request_settings
 
 
 def trace_path() -> str | None:
@@ -35,9 +38,12 @@ def write_trace(path: str, kind: str, **fields) -> None:
 
 @dataclass
 class RequestState:
-    """One request's layers and how many of its tokens no slot holds any more."""
+    """One request's policy (None: this request is not compressed), its layers, and how many of
+    its tokens no slot holds any more."""
 
     prompt_len: int
+    budgets: torch.Tensor | None = None
+    policy: LayerPolicy | None = None
     layers: dict[int, RequestLayer] = field(default_factory=dict)
     scorer_states: list = field(default_factory=list)
     dropped: int = 0
@@ -57,6 +63,7 @@ class StepBatch:
     first_index: list[int]  # logical index of each request's first token in this forward
     n_tokens: list[int]  # tokens of each request in this forward
     prompt_len: list[int]
+    extra_args: list[dict | None]  # each request's SamplingParams.extra_args (its own settings)
     block_rows: list[torch.Tensor]  # each request's block ids
     positions: torch.Tensor  # [tokens] logical RoPE positions
 
@@ -65,10 +72,12 @@ class WorkerState:
     """Everything the adapter holds in one worker process."""
 
     def __init__(
-        self, budgets: torch.Tensor, policy: LayerPolicy, n_layers: int, block_size: int, head_dim: int
+        self, settings: ServingSettings, shape: ModelShape, rope: tuple[torch.Tensor, float], block_size: int
     ) -> None:
-        self.budgets, self.policy = budgets, policy
-        self.n_layers, self.block_size, self.head_dim = n_layers, block_size, head_dim
+        self.settings, self.shape, self.rope = settings, shape, rope
+        self.n_layers, self.block_size, self.head_dim = shape.n_layers, block_size, shape.head_dim
+        self._policies: dict[str, tuple[torch.Tensor, LayerPolicy]] = {}
+        self.budgets, self.policy = self.policy_for(settings)
         self.requests: dict[str, RequestState] = {}
         self.batch: StepBatch | None = None
         self.compressed: dict[str, int] = {}  # request -> physical length, this step
@@ -76,6 +85,25 @@ class WorkerState:
         self.layouts: dict[tuple, TileLayout] = {}
         self.compressions = 0
         self.trace = trace_path()
+
+    def policy_for(self, settings: ServingSettings) -> tuple[torch.Tensor, LayerPolicy]:
+        """Budgets and policy for these settings, built once (requests may bring their own)."""
+        key = json.dumps([settings.method, settings.budget, settings.knobs], sort_keys=True, default=str)
+        if key not in self._policies:
+            inv_freq, scaling = self.rope
+            self._policies[key] = build_policy(
+                settings.method, settings.budget, self.shape, inv_freq, scaling, **settings.knobs
+            )
+        return self._policies[key]
+
+    def _new_request(self, i: int) -> RequestState:
+        batch = self.batch
+        state = RequestState(batch.prompt_len[i])
+        settings = request_settings(self.settings, batch.extra_args[i])
+        if settings is not None:
+            state.budgets, state.policy = self.policy_for(settings)
+        state.scorer_states = [None] * self.n_layers
+        return state
 
     def forget(self, req_ids) -> None:
         for rid in req_ids:
@@ -107,14 +135,15 @@ class WorkerState:
                 continue
             state = self.requests.get(rid)
             if state is None:
-                state = self.requests[rid] = RequestState(batch.prompt_len[i])
-                state.scorer_states = [None] * self.n_layers
+                state = self.requests[rid] = self._new_request(i)
+            if state.policy is None:  # "reasonkv": false for this request
+                continue
             request_layer = state.layers.get(layer_idx)
             if request_layer is None:
                 request_layer = state.layers[layer_idx] = RequestLayer(
                     layer_idx,
-                    self.budgets[layer_idx],
-                    self.policy,
+                    state.budgets[layer_idx],
+                    state.policy,
                     state.scorer_states,
                     state.prompt_len,
                     self.head_dim,

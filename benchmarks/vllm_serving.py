@@ -1,0 +1,179 @@
+"""Serving at fixed memory in vLLM (CPU build): plain vLLM against reasonkv's methods.
+
+Every run gets the same KV pool (`--blocks` blocks of `--block-size` tokens) and the same N
+prompts, each generating exactly `--new-tokens` tokens (ignore_eos, greedy). Reported per run:
+aggregate output tokens/s, the most requests running at once and the mean, preemptions, vLLM's
+KV-usage figure (mean over steps), time to first token and time per output token (medians over
+requests), and each run's ratio to plain vLLM. "plain" is vLLM with the plugin installed and off
+(tests/vllm_adapter prove its tokens equal vLLM's without the plugin; it still counts scheduler
+steps for the table). Runs go one after another, each in a fresh process (a vLLM engine spawns
+processes of its own); plain vLLM runs first and last, so drift on a busy machine shows as the
+gap between its two runs.
+
+Run with the vLLM venv's Python; the model is a folder vLLM loads (the default model:
+`.venv/bin/python scripts/export_for_vllm.py build/smollm2-135m`):
+
+    .venv-vllm/bin/python benchmarks/vllm_serving.py --model build/smollm2-135m \\
+        --requests 16 --new-tokens 4096 --blocks 96 --budget 512 \\
+        --methods snapkv,rkv,streaming,h2o,beaconkv --out docs/performance-data/vllm-serving.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PLAIN = "plain"
+
+
+def worker(spec: dict) -> dict:
+    """One engine over the prompts: what it produced and when (runs in its own process)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = {}
+    if spec["method"] != PLAIN:
+        extra["additional_config"] = {"reasonkv": {"method": spec["method"], "budget": spec["budget"]}}
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        enforce_eager=True,
+        block_size=spec["block_size"],
+        num_gpu_blocks_override=spec["blocks"],
+        max_num_seqs=spec["requests"],
+        disable_log_stats=False,
+        seed=0,
+        **extra,
+    )
+    params = SamplingParams(max_tokens=spec["new_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    ttft, tpot, preempted = [], [], 0
+    for out in outputs:
+        m = out.metrics
+        n = len(out.outputs[0].token_ids)
+        if m is not None and m.first_token_ts and m.last_token_ts:
+            ttft.append(m.first_token_latency)
+            tpot.append((m.last_token_ts - m.first_token_ts) / max(n - 1, 1))
+            preempted += m.num_preemptions
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"wall_s": wall, "tokens": tokens, "ttft_s": ttft, "tpot_s": tpot, "preemptions": preempted}
+
+
+def run(spec: dict, trace: Path) -> dict:
+    """`worker` in a fresh interpreter, with the adapter's per-step trace."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "REASONKV_VLLM_TRACE": str(trace)}
+        cmd = [sys.executable, __file__, "--worker", str(spec_path), str(out_path)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{spec['method']} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(out_path.read_text())
+
+
+def summarise(method: str, result: dict, trace: Path) -> dict:
+    steps = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
+    steps = [s for s in steps if s["kind"] == "step"]
+    row = {
+        "method": method,
+        "tok_s": result["tokens"] / result["wall_s"],
+        "wall_s": result["wall_s"],
+        "tokens": result["tokens"],
+        "preemptions": result["preemptions"],
+        "ttft_s": statistics.median(result["ttft_s"]) if result["ttft_s"] else None,
+        "tpot_s": statistics.median(result["tpot_s"]) if result["tpot_s"] else None,
+    }
+    if steps:
+        row["most_running"] = max(s["running"] for s in steps)
+        row["mean_running"] = statistics.fmean(s["running"] for s in steps)
+        row["mean_kv_usage"] = statistics.fmean(s["usage"] for s in steps)
+    return row
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length + 8 * i)] for i in range(n)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="build/smollm2-135m")
+    parser.add_argument("--methods", default="snapkv,rkv,streaming,h2o,beaconkv")
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=4096)
+    parser.add_argument("--blocks", type=int, default=96)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.worker:
+        spec = json.loads(Path(args.worker[0]).read_text())
+        Path(args.worker[1]).write_text(json.dumps(worker(spec)))
+        return
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    base = {
+        "model": str(args.model), "dtype": args.dtype, "budget": args.budget, "requests": args.requests,
+        "new_tokens": args.new_tokens, "blocks": args.blocks, "block_size": args.block_size,
+        "prompts": prompts(args.requests, args.prompt_tokens, vocab),
+        "max_model_len": args.prompt_tokens + 8 * args.requests + args.new_tokens + args.block_size,
+    }  # fmt: skip
+    order = [PLAIN, *args.methods.split(","), PLAIN]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, method in enumerate(order):
+            trace = Path(tmp) / f"{i}-{method}.trace"
+            print(f"[{i + 1}/{len(order)}] {method} ...", flush=True)
+            row = summarise(method, run({**base, "method": method}, trace), trace)
+            rows.append(row)
+            print(
+                f"    {row['tok_s']:.1f} tok/s, {row['preemptions']} preemptions, {row['wall_s']:.0f} s",
+                flush=True,
+            )
+    plain = statistics.fmean(r["tok_s"] for r in rows if r["method"] == PLAIN)
+    print(f"\n{'method':<12}{'tok/s':>8}{'x plain':>9}{'running':>9}{'mean':>7}{'preempt':>9}{'KV use':>8}"
+          f"{'TTFT s':>8}{'TPOT ms':>9}")  # fmt: skip
+    for r in rows:
+        r["vs_plain"] = r["tok_s"] / plain
+        running = (
+            f"{r['most_running']:>9}{r['mean_running']:>7.1f}" if "most_running" in r else f"{'-':>9}{'-':>7}"
+        )
+        usage = f"{r['mean_kv_usage']:>8.2f}" if "mean_kv_usage" in r else f"{'-':>8}"
+        ttft = f"{r['ttft_s']:>8.2f}" if r["ttft_s"] is not None else f"{'-':>8}"
+        tpot = f"{1000 * r['tpot_s']:>9.1f}" if r["tpot_s"] is not None else f"{'-':>9}"
+        print(
+            f"{r['method']:<12}{r['tok_s']:>8.1f}{r['vs_plain']:>9.2f}{running}{r['preemptions']:>9}{usage}{ttft}{tpot}"
+        )
+    if args.out:
+        settings = {k: v for k, v in base.items() if k != "prompts"}
+        command = " ".join([Path(sys.executable).name, *sys.argv])
+        record = {
+            "command": command,
+            "settings": settings,
+            "cpus": os.cpu_count(),
+            "load": os.getloadavg(),
+            "rows": rows,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

