@@ -55,7 +55,8 @@ def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 
 def run_engine(spec: dict, tmp_path: Path, name: str, env: dict | None = None) -> dict:
-    """One vLLM engine over `spec` (see engine_run.py); with the adapter's trace under "trace"."""
+    """One vLLM engine over `spec` (see engine_run.py); with the adapter's trace under "trace" and
+    the engine's output under "log"."""
     spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
     trace = tmp_path / f"{name}.trace"
     spec_path.write_text(json.dumps(spec))
@@ -69,6 +70,7 @@ def run_engine(spec: dict, tmp_path: Path, name: str, env: dict | None = None) -
     if proc.returncode != 0:  # all of its output: tests read what it says
         raise AssertionError(f"vLLM run {name} failed:\n{proc.stdout}\n{proc.stderr}")
     result = json.loads(out_path.read_text())
+    result["log"] = proc.stdout + proc.stderr
     result["trace"] = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
     return result
 

@@ -61,6 +61,27 @@ class PolicyStates:
                 state.select_rows(rows)
 
 
+def layer_observation(layer, queries, index, positions, scaling: float) -> Observation:
+    """What a scorer sees of one layer: these queries over the layer's stored tokens. `layer` is a
+    CompressedLayer or any layer that keeps the same fields (policy, token_index, token_state,
+    layer_idx, window, targets, states): a serving engine's request layer."""
+    policy = layer.policy
+    return Observation(
+        queries=queries,
+        query_index=index,
+        token_index=layer.token_index,
+        scaling=scaling,
+        state=layer.token_state,
+        layer_idx=layer.layer_idx,
+        query_positions=positions,
+        rope_inv_freq=policy.rope_inv_freq,
+        rope_attention_scaling=policy.rope_attention_scaling,
+        prompt_end=layer.window.prompt_end,
+        targets=layer.targets,
+        scorer_state=layer.states.scorer,
+    )
+
+
 class _View:
     """The read-only `LayerView` policies get: live properties of the layer, no copies. It
     refers to the layer weakly, so layer and view make no reference cycle and a dropped cache
@@ -352,21 +373,7 @@ class CompressedLayer(CacheLayerMixin):
         self._states_made = True
 
     def _observation(self, queries, index, positions, scaling: float) -> Observation:
-        policy = self.policy
-        return Observation(
-            queries=queries,
-            query_index=index,
-            token_index=self.token_index,
-            scaling=scaling,
-            state=self.token_state,
-            layer_idx=self.layer_idx,
-            query_positions=positions,
-            rope_inv_freq=policy.rope_inv_freq,
-            rope_attention_scaling=policy.rope_attention_scaling,
-            prompt_end=self.window.prompt_end,
-            targets=self.targets,
-            scorer_state=self.states.scorer,
-        )
+        return layer_observation(self, queries, index, positions, scaling)
 
     def steps_until_compress(self) -> int | None:
         """Tokens one forward can take without passing this layer's next compression (None: never)."""

@@ -14,7 +14,8 @@ One block table is shared by all layers and heads of a request, so every head mu
 same number of tokens: only methods with one budget for every layer and head run here (the
 adapter refuses the others by name before the engine starts).
 
-Pure torch: nothing here imports an engine or transformers.
+It imports no engine, and no transformers itself: what it shares with the HF path (the policy
+states, the observation a scorer reads, the query window) it takes from core.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from collections.abc import Callable
 import torch
 
 from reasonkv.core.cache import LayerPolicy
-from reasonkv.core.memory_meter import held_bytes
-from reasonkv.core.policy.base import Observation
-from reasonkv.core.policy.contract import BudgetPlan, PolicyState, Scorer
+from reasonkv.core.layer import PolicyStates, layer_observation
+from reasonkv.core.policy.contract import BudgetPlan, Scorer
 from reasonkv.core.policy.selection import protected_mask, select_tokens
 from reasonkv.core.query_window import QueryWindow
 
@@ -66,12 +66,12 @@ class RequestLayer:
         self.window.prompt_end = torch.tensor([prompt_end], device=device)
         self.seen = 0
         self.n_query_heads = 0
-        self.states: tuple[PolicyState | None, PolicyState | None] | None = None
+        self.states = PolicyStates()
+        self._states_made = False
         scorer: Scorer = policy.scorer
         self._window_size = max(scorer.window, 1)
         self._window_keep = self._window_size + scorer.query_backlog
         self._observes_steps = type(scorer).on_step is not Scorer.on_step
-        self.compressions = 0
 
     # ------------------------------------------------------------ LayerView
     @property
@@ -121,11 +121,15 @@ class RequestLayer:
             self.token_state[name] = torch.cat([tensor, tensor.new_zeros(1, tensor.shape[1], q)], dim=-1)
         self.seen += q
         index, positions = self.window.label(query, first, None, positions[None])
-        if self.states is None:
+        if not self._states_made:
             self.n_query_heads = query.shape[1]
             policy = self.policy
-            self.states = (policy.scorer.new_state(self), policy.schedule.new_state(self))
-            self.scorer_states[self.layer_idx] = self.states[0]
+            self.states.scorer, self.states.schedule = (
+                policy.scorer.new_state(self),
+                policy.schedule.new_state(self),
+            )
+            self.scorer_states[self.layer_idx] = self.states.scorer
+            self._states_made = True
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def stored() -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,19 +139,19 @@ class RequestLayer:
 
         if self._observes_steps:
             self.policy.scorer.on_step(
-                self._observation(query.detach(), index, positions, scaling), stored()[0]
+                layer_observation(self, query.detach(), index, positions, scaling), stored()[0]
             )
         self.window.keep(query, index, positions, self._window_keep)
         if not may_compress:
             return None
         schedule = self.policy.schedule
-        rows = schedule.rows_to_compress(self, self.states[1])
+        rows = schedule.rows_to_compress(self, self.states.schedule)
         if rows is None or not bool(rows.all()):
             return None
         keys, values = stored()
-        obs = self._observation(*self.window.last(self._window_size), scaling)
+        obs = layer_observation(self, *self.window.last(self._window_size), scaling)
         scores = self.policy.scorer.score(obs, keys, values)
-        keep = schedule.keep(self, self.states[1])
+        keep = schedule.keep(self, self.states.schedule)
         return self._select(keep, scores)
 
     def _select(self, keep: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -164,30 +168,4 @@ class RequestLayer:
         slots = slots[0, :, :kept]
         self.token_index = self.token_index.gather(2, slots[None])
         self.token_state = {n: t.gather(2, slots[None]) for n, t in self.token_state.items()}
-        self.compressions += 1
         return slots
-
-    def _observation(self, queries, index, positions, scaling: float) -> Observation:
-        policy = self.policy
-        return Observation(
-            queries=queries,
-            query_index=index,
-            token_index=self.token_index,
-            scaling=scaling,
-            state=self.token_state,
-            layer_idx=self.layer_idx,
-            query_positions=positions,
-            rope_inv_freq=policy.rope_inv_freq,
-            rope_attention_scaling=policy.rope_attention_scaling,
-            prompt_end=self.window.prompt_end,
-            targets=self.targets,
-            scorer_state=None if self.states is None else self.states[0],
-        )
-
-    def state_bytes(self) -> int:
-        """Bytes held beside the engine's K/V: slot indices, per-token state, window, policy states."""
-        tensors = [self.token_index, *self.token_state.values(), *self.window.tensors()]
-        for state in self.states or ():
-            if state is not None:
-                tensors += [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
-        return held_bytes(tensors)[0]

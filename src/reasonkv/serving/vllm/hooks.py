@@ -7,8 +7,8 @@ Worker (model runner):
   recomputes a preempted request from its tokens, so it starts again from a full prefill);
 - `_prepare_inputs`: the step's batch is recorded, and `seq_lens` and the slot mapping are
   moved to physical slots (logical position less the request's dropped tokens);
-- `execute_model`: after the forward, each compressed request's block-table row is cut to the
-  blocks its physical length needs;
+- `execute_model`: after the forward, each compressed request's block-table row and block list
+  are cut to the blocks its physical length needs;
 - `sample_tokens`: the step's output carries the new physical lengths to the scheduler
   (`reasonkv_lengths`, an attribute of the pickled output).
 
@@ -55,7 +55,10 @@ def patch_model_runner(runner_cls) -> None:
                 state.forget(scheduler_output.finished_req_ids)
                 state.forget(scheduler_output.preempted_req_ids or ())
                 state.forget(cached.resumed_req_ids)
-                state.forget(r.req_id for r in scheduler_output.scheduled_new_reqs)
+                # A request new from its first token starts fresh (a resumed preemption restarts
+                # at 0 too); a streaming session's update keeps its computed tokens and state.
+                new = scheduler_output.scheduled_new_reqs
+                state.forget(r.req_id for r in new if r.num_computed_tokens == 0)
             return original(self, scheduler_output)
 
         return run
@@ -78,8 +81,11 @@ def patch_model_runner(runner_cls) -> None:
                 lengths = state.end_step()
                 table = self.input_batch.block_table[0]
                 for rid, length in lengths.items():
-                    row = self.input_batch.req_id_to_index[rid]
-                    table.num_blocks_per_row[row] = _cdiv(length, state.block_size)
+                    keep = _cdiv(length, state.block_size)
+                    table.num_blocks_per_row[self.input_batch.req_id_to_index[rid]] = keep
+                    # The request's own list too: vLLM rebuilds the row from it when a request
+                    # skips a step, and the blocks past `keep` now belong to the pool.
+                    del self.requests[rid].block_ids[0][keep:]
                 state.pending_lengths.update(lengths)
                 state.batch = None
             return out
@@ -209,7 +215,10 @@ def _release(scheduler, lengths: dict[str, int]) -> None:
     manager = scheduler.kv_cache_manager
     dropped = _dropped_map(manager)
     trace = trace_path()
-    (group,) = manager.coordinator.single_type_managers  # the adapter runs with one KV-cache group
+    groups = manager.coordinator.single_type_managers
+    if len(groups) != 1:  # check_engine refuses the models that make several
+        raise RuntimeError(f"reasonkv in vLLM keeps one KV-cache group, this engine has {len(groups)}")
+    (group,) = groups
     for rid, length in lengths.items():
         request = scheduler.requests.get(rid)
         blocks = group.req_to_blocks.get(rid)

@@ -8,10 +8,11 @@ hook passes straight through.
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import torch
 
-from reasonkv.core.models import ModelShape
+from reasonkv.core.models import ModelShape, model_shape
 from reasonkv.methods.api import build_policy
 from reasonkv.methods.knobs import KnobError
 from reasonkv.serving.vllm.settings import CONFIG_KEY, read_settings, request_settings
@@ -19,18 +20,17 @@ from reasonkv.serving.vllm.worker_state import WorkerState
 
 # A child of vLLM's logger: its lines come out in vLLM's format, beside vLLM's own.
 logger = logging.getLogger("vllm.plugins.reasonkv")
-_STATES: dict[int, WorkerState | None] = {}
+STATE_ATTR = "_reasonkv_state"
 _ACTIVE: list[WorkerState] = []
 
 
 def worker_state(runner) -> WorkerState | None:
-    """The adapter's state for this model runner (None: off)."""
-    key = id(runner)
-    if key not in _STATES:
-        _STATES[key] = _build(runner.vllm_config)
-        if _STATES[key] is not None:
-            _ACTIVE[:] = [_STATES[key]]
-    return _STATES[key]
+    """The adapter's state for this model runner (None: off), kept on the runner itself."""
+    if not hasattr(runner, STATE_ATTR):
+        state = _build(runner.vllm_config)
+        setattr(runner, STATE_ATTR, state)
+        _ACTIVE[:] = [] if state is None else [state]
+    return getattr(runner, STATE_ATTR)
 
 
 def check_request(vllm_config, params) -> None:
@@ -39,10 +39,12 @@ def check_request(vllm_config, params) -> None:
     extra_args = getattr(params, "extra_args", None)
     if not isinstance(extra_args, dict) or CONFIG_KEY not in extra_args:
         return
-    settings = request_settings(read_settings(vllm_config.additional_config), extra_args)
+    engine = read_settings(vllm_config.additional_config)
+    if engine is None:  # off: vLLM ignores what it does not know, and so does the plugin
+        return
+    settings = request_settings(engine, extra_args)
     if settings is not None:
-        build_policy(settings.method, settings.budget, model_shape_of(vllm_config.model_config.hf_config),
-                     None, 1.0, **settings.knobs)  # fmt: skip
+        _check_policy(settings, vllm_config)
 
 
 def is_on(vllm_config) -> bool:
@@ -52,21 +54,14 @@ def is_on(vllm_config) -> bool:
 
 
 def active() -> WorkerState | None:
-    """The state the attention backend feeds (one model runner a worker process)."""
+    """The state the attention backend feeds: the latest model runner's in this process (a
+    worker process holds one; the backend has no handle on its runner)."""
     return _ACTIVE[0] if _ACTIVE else None
 
 
 def model_shape_of(hf_config) -> ModelShape:
-    text = getattr(hf_config, "text_config", None) or hf_config
-    n_heads = text.num_attention_heads
-    return ModelShape(
-        name=getattr(text, "name_or_path", "") or text.model_type,
-        model_type=text.model_type,
-        n_layers=text.num_hidden_layers,
-        n_heads=n_heads,
-        n_kv_heads=getattr(text, "num_key_value_heads", None) or n_heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // n_heads,
-    )
+    """The model's attention shape, with transformers' checks of what reasonkv can compress."""
+    return model_shape(SimpleNamespace(config=getattr(hf_config, "text_config", None) or hf_config))
 
 
 def rope_of(hf_config) -> tuple[torch.Tensor, float]:
@@ -107,19 +102,36 @@ def check_engine(vllm_config) -> None:
     cache = vllm_config.cache_config
     if cache.cache_dtype != "auto":
         raise KnobError(
-            f"reasonkv in vLLM reads the cache as the model's dtype: kv_cache_dtype {cache.cache_dtype!r}"
+            f"reasonkv in vLLM reads the cache in the model's dtype: kv_cache_dtype {cache.cache_dtype!r}"
         )
     if vllm_config.speculative_config is not None:
         raise KnobError("reasonkv in vLLM does not run with speculative decoding")
+    why = _unsupported_model(vllm_config.model_config)
+    if why is not None:
+        raise KnobError(f"reasonkv in vLLM serves decoder-only models with full attention only: {why}")
     if cache.enable_prefix_caching:
         # Compacted blocks no longer hold the tokens their hashes name.
         logger.warning("reasonkv: prefix caching is turned off (compressed blocks cannot be shared)")
         cache.enable_prefix_caching = False
-    build_policy(
-        settings.method,
-        settings.budget,
-        model_shape_of(vllm_config.model_config.hf_config),
-        None,
-        1.0,
-        **settings.knobs,
-    )
+    _check_policy(settings, vllm_config)
+
+
+def _check_policy(settings, vllm_config) -> None:
+    """Build the policy once where the config is read, so its own checks run there (KnobError)."""
+    shape = model_shape_of(vllm_config.model_config.hf_config)
+    build_policy(settings.method, settings.budget, shape, None, 1.0, **settings.knobs)
+
+
+def _unsupported_model(model) -> str | None:
+    """Why the adapter cannot serve this model (one clause), or None."""
+    if model.runner_type != "generate":
+        return f"runner {model.runner_type!r}"
+    if model.use_mla:
+        return "it uses multi-head latent attention (another backend)"
+    if model.is_hybrid or model.is_attention_free:
+        return "it has layers of other kinds (one KV-cache group is needed)"
+    if model.get_sliding_window() is not None:
+        return "it has sliding-window layers (their window would count physical slots)"
+    if model.uses_mrope or model.is_multimodal_model:
+        return "it is multimodal (M-RoPE positions are not followed)"
+    return None

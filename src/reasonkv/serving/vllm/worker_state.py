@@ -6,7 +6,7 @@ request's new queries to its `RequestLayer` and, when the policy compresses, com
 request's slots in the paged cache. Positions stay logical (RoPE sees the true index); the
 physical length is the logical one less what was dropped, and the runner's `seq_lens` and slot
 mapping are shifted by that (`dropped`). The scheduler learns each new physical length from the
-step's output and frees the blocks past it (`scheduler_hooks`).
+step's output and frees the blocks past it (`hooks`).
 """
 
 from __future__ import annotations
@@ -83,7 +83,6 @@ class WorkerState:
         self.compressed: dict[str, int] = {}  # request -> physical length, this step
         self.pending_lengths: dict[str, int] = {}  # compressed since the last output was sent
         self.layouts: dict[tuple, TileLayout] = {}
-        self.compressions = 0
         self.trace = trace_path()
 
     def policy_for(self, settings: ServingSettings) -> tuple[torch.Tensor, LayerPolicy]:
@@ -153,6 +152,8 @@ class WorkerState:
             blocks = batch.block_rows[i]
             read: list = []
 
+            # Read at most once a layer and request, and only if a hook asks; the defaults bind
+            # this iteration's request (the closure runs inside step()).
             def read_kv(rl=request_layer, blocks=blocks, read=read):
                 if not read:
                     read.append(layout.read(kv_cache, blocks, rl.length))
@@ -178,8 +179,6 @@ class WorkerState:
                     seen=request_layer.seen,
                     kept=kept,
                 )
-            if layer_idx == self.n_layers - 1:
-                self.compressions += 1
 
     def end_step(self) -> dict[str, int]:
         """After the forward: the requests that compressed, with their new physical lengths
