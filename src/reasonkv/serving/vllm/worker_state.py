@@ -77,7 +77,7 @@ class WorkerState:
         self.settings, self.shape, self.rope = settings, shape, rope
         self.n_layers, self.block_size, self.head_dim = shape.n_layers, block_size, shape.head_dim
         self._policies: dict[str, tuple[torch.Tensor, LayerPolicy]] = {}
-        self.budgets, self.policy = self.policy_for(settings)
+        self.policy_for(settings)  # the engine's own, which most requests use: built at start
         self.requests: dict[str, RequestState] = {}
         self.batch: StepBatch | None = None
         self.compressed: dict[str, int] = {}  # request -> physical length, this step
