@@ -122,7 +122,13 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=96)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, help="JSON record, written after every run; rerun to resume")
+    parser.add_argument(
+        "--no-plain-last",
+        dest="plain_last",
+        action="store_false",
+        help="Run plain vLLM first only (by default it runs first and last, to show drift)",
+    )
     args = parser.parse_args()
     if args.worker:
         spec = json.loads(Path(args.worker[0]).read_text())
@@ -135,10 +141,15 @@ def main() -> None:
         "prompts": prompts(args.requests, args.prompt_tokens, vocab),
         "max_model_len": args.prompt_tokens + 8 * args.requests + args.new_tokens + args.block_size,
     }  # fmt: skip
-    order = [PLAIN, *args.methods.split(","), PLAIN]
-    rows = []
+    order = [PLAIN, *args.methods.split(","), *([PLAIN] if args.plain_last else [])]
+    settings = {k: v for k, v in base.items() if k != "prompts"}
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    rows = resumed(args.out, settings, order)
     with tempfile.TemporaryDirectory() as tmp:
         for i, method in enumerate(order):
+            if i < len(rows):
+                print(f"[{i + 1}/{len(order)}] {method}: done before ({rows[i]['tok_s']:.1f} tok/s)")
+                continue
             trace = Path(tmp) / f"{i}-{method}.trace"
             print(f"[{i + 1}/{len(order)}] {method} ...", flush=True)
             row = summarise(method, run({**base, "method": method}, trace), trace)
@@ -147,6 +158,8 @@ def main() -> None:
                 f"    {row['tok_s']:.1f} tok/s, {row['preemptions']} preemptions, {row['wall_s']:.0f} s",
                 flush=True,
             )
+            if args.out:  # after every run: an interrupted benchmark resumes from here
+                save(args.out, command, settings, order, rows)
     plain = statistics.fmean(r["tok_s"] for r in rows if r["method"] == PLAIN)
     print(f"\n{'method':<12}{'tok/s':>8}{'x plain':>9}{'running':>9}{'mean':>7}{'preempt':>9}{'KV use':>8}"
           f"{'TTFT s':>8}{'TPOT ms':>9}")  # fmt: skip
@@ -162,17 +175,31 @@ def main() -> None:
             f"{r['method']:<12}{r['tok_s']:>8.1f}{r['vs_plain']:>9.2f}{running}{r['preemptions']:>9}{usage}{ttft}{tpot}"
         )
     if args.out:
-        settings = {k: v for k, v in base.items() if k != "prompts"}
-        command = " ".join([Path(sys.executable).name, *sys.argv])
-        record = {
-            "command": command,
-            "settings": settings,
-            "cpus": os.cpu_count(),
-            "load": os.getloadavg(),
-            "rows": rows,
-        }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        save(args.out, command, settings, order, rows)
+
+
+def resumed(out: Path | None, settings: dict, order: list[str]) -> list[dict]:
+    """The rows an earlier, interrupted run of the same settings and order left in `out`."""
+    if out is None or not out.exists():
+        return []
+    record = json.loads(out.read_text())
+    if record.get("settings") != settings or record.get("order") != order:
+        raise SystemExit(f"{out} holds a run of other settings or methods: move it, or pass another --out")
+    return record["rows"]
+
+
+def save(out: Path, command: str, settings: dict, order: list[str], rows: list[dict]) -> None:
+    record = {
+        "command": command,
+        "settings": settings,
+        "order": order,
+        "complete": len(rows) == len(order),
+        "cpus": os.cpu_count(),
+        "load": os.getloadavg(),
+        "rows": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def test_request_layers_keep_what_the_cache_keeps(monkeypatch, method, budget, k
         for new_k, new_v, query, positions, held, scaling in steps:
             keys = new_k if keys is None else torch.cat([keys, new_k], dim=2)
             values = new_v if values is None else torch.cat([values, new_v], dim=2)
-            slots = layer.step(query, positions, lambda k=keys, v=values: (k, v), scaling)
+            slots = layer.step(query, positions, lambda with_values, k=keys, v=values: (k, v), scaling)
             if slots is not None:
                 index = slots[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
                 keys, values = keys.gather(2, index), values.gather(2, index)
@@ -92,3 +92,40 @@ def test_a_head_allocator_is_refused() -> None:
     cache = reasonkv.make_cache(model, "adakv-snapkv", 16)
     with pytest.raises(ValueError, match="one budget a head"):
         RequestLayer(0, cache.budgets[0], cache.policy, [None], 4, 16, torch.float32, torch.device("cpu"))
+
+
+TIES = [("tova", 24, {}), ("snapkv", 16, {"interval": 8}), ("beaconkv", 32, {})]
+"""(H2O is not here: its sums over different numbers of steps do not tie. A tie-break reversed in
+`RequestLayer` fails all three.)"""
+
+
+@pytest.mark.parametrize(("method", "budget", "knobs"), TIES, ids=lambda v: str(v))
+def test_on_exact_ties_request_layers_keep_what_the_cache_keeps(monkeypatch, method, budget, knobs) -> None:
+    """Zero queries make every attention weight equal, so every score ties exactly: which of the
+    tied tokens survive is then decided by tie-breaking alone. The HF path evicts every-step
+    methods one slot at a time into holes (`evict_one`) where the request layer selects and
+    compacts (`select_tokens`); both must break ties the same way."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.zero_()
+    cache, forwards = record(monkeypatch, model, method, budget, knobs)
+    first = forwards[0][-1][2]  # the last forward's query of layer 0: all zero
+    assert not first.any(), "the queries must be zero for every score to tie"
+    layer_idx, steps = 1, forwards[1]
+    layer = RequestLayer(
+        layer_idx, cache.budgets[layer_idx], cache.policy, [None] * len(forwards), prompt_end=20, head_dim=16,
+        dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    keys = values = None
+    compressions = 0
+    for new_k, new_v, query, positions, held, scaling in steps:
+        keys = new_k if keys is None else torch.cat([keys, new_k], dim=2)
+        values = new_v if values is None else torch.cat([values, new_v], dim=2)
+        slots = layer.step(query, positions, lambda with_values, k=keys, v=values: (k, v), scaling)
+        if slots is not None:
+            index = slots[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
+            keys, values = keys.gather(2, index), values.gather(2, index)
+            compressions += 1
+        assert [sorted(row) for row in layer.token_index[0].tolist()] == held, f"after token {layer.seen}"
+    assert compressions > 0

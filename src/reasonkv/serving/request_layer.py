@@ -30,8 +30,9 @@ from reasonkv.core.policy.contract import BudgetPlan, Scorer
 from reasonkv.core.policy.selection import protected_mask, select_tokens
 from reasonkv.core.query_window import QueryWindow
 
-ReadKV = Callable[[], tuple[torch.Tensor, torch.Tensor]]
-"""Returns the request's stored keys and values of this layer, [1, H, T, D] each, in slot order."""
+ReadKV = Callable[[bool], tuple[torch.Tensor, torch.Tensor | None]]
+"""`read_kv(values)`: the request's stored keys of this layer, [1, H, T, D] in slot order, and its
+values the same way when `values` is true (else None: a step hook that reads keys only)."""
 
 
 class RequestLayer:
@@ -130,17 +131,10 @@ class RequestLayer:
             )
             self.scorer_states[self.layer_idx] = self.states.scorer
             self._states_made = True
-        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def stored() -> tuple[torch.Tensor, torch.Tensor]:
-            if not kv:
-                kv.append(read_kv())
-            return kv[0]
-
         if self._observes_steps:
-            self.policy.scorer.on_step(
-                layer_observation(self, query.detach(), index, positions, scaling), stored()[0]
-            )
+            step = layer_observation(self, query.detach(), index, positions, scaling)
+            keys = read_kv(False)[0] if self.policy.scorer.step_reads_keys else None  # BeaconKV: none
+            self.policy.scorer.on_step(step, keys)
         self.window.keep(query, index, positions, self._window_keep)
         if not may_compress:
             return None
@@ -148,7 +142,7 @@ class RequestLayer:
         rows = schedule.rows_to_compress(self, self.states.schedule)
         if rows is None or not bool(rows.all()):
             return None
-        keys, values = stored()
+        keys, values = read_kv(True)
         obs = layer_observation(self, *self.window.last(self._window_size), scaling)
         scores = self.policy.scorer.score(obs, keys, values)
         keep = schedule.keep(self, self.states.schedule)

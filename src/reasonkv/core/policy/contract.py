@@ -119,13 +119,17 @@ class Scorer:
     """How the cache holds the queries it keeps for this scorer: in the model's dtype (16), or as
     8-bit codes with a scale a query (8), decoded when read."""
     state_names: ClassVar[tuple[str, ...]] = ()
+    step_reads_keys: ClassVar[bool] = True
+    """Whether `on_step` reads `keys`. An engine whose K/V are not at hand (vLLM's paged cache)
+    reads them for `on_step` only when this is true, and passes None otherwise."""
 
     def new_state(self, view: LayerView) -> PolicyState | None:
         """This scorer's memory for one layer (None = it needs none); made at the layer's first forward."""
         return None
 
-    def on_step(self, step: Observation, keys: torch.Tensor) -> None:
-        """See every query of this forward ([B, Hq, q, D] in `step`) over the stored keys [B, H, T, D]."""
+    def on_step(self, step: Observation, keys: torch.Tensor | None) -> None:
+        """See every query of this forward ([B, Hq, q, D] in `step`) over the stored keys [B, H, T, D]
+        (None where `step_reads_keys` is false and the engine does not have them at hand)."""
 
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """[B, H, T] scores for the stored keys [B, H, T, D]."""

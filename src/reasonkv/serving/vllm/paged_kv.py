@@ -45,6 +45,17 @@ class TileLayout:
                 )
             found.append(source.argsort())  # tile position of logical element t * D + d
         self.key_order, self.value_order = found
+        # The common tile orders read as a strided view instead of a gather over every element.
+        self.key_view, self.value_view = (self._view_kind(order) for order in found)
+
+    def _view_kind(self, order: torch.Tensor) -> str:
+        """'tokens' ([block, D] in the tile), 'channels' ([D, block]) or 'gather' (any other)."""
+        n = self.block_size * self.head_dim
+        if torch.equal(order, torch.arange(n)):
+            return "tokens"
+        if torch.equal(order, torch.arange(n).view(self.head_dim, self.block_size).t().reshape(-1)):
+            return "channels"
+        return "gather"
 
     def _probe(self, tile: torch.Tensor, half: int) -> torch.Tensor:
         """Write `tile` [block size, head dim] as one block of keys (half 0) or values (1) of
@@ -68,18 +79,28 @@ class TileLayout:
         return (keys if half == 0 else values).reshape(-1).float()
 
     def read(
-        self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int, values: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The first `length` slots of a request whose block ids are `blocks`: keys and values
-        [1, KV heads, length, head dim], copies in slot order."""
+        [1, KV heads, length, head dim], copies in slot order (values None unless asked)."""
         key_half, value_half = split_cache(kv_cache)
         n = (length + self.block_size - 1) // self.block_size
-        out = []
-        for half, order in ((key_half, self.key_order), (value_half, self.value_order)):
-            tiles = half[blocks[:n]].reshape(n, half.shape[1], -1)[..., order]  # [n, H, bs * D] logical
-            flat = tiles.view(n, half.shape[1], self.block_size, self.head_dim).transpose(0, 1)
-            out.append(flat.reshape(half.shape[1], n * self.block_size, self.head_dim)[None, :, :length])
-        return out[0], out[1]
+        keys = self._read_half(key_half, blocks[:n], length, self.key_order, self.key_view)
+        if not values:
+            return keys, None
+        return keys, self._read_half(value_half, blocks[:n], length, self.value_order, self.value_view)
+
+    def _read_half(
+        self, half: torch.Tensor, blocks: torch.Tensor, length: int, order: torch.Tensor, kind: str
+    ) -> torch.Tensor:
+        n, heads, bs, d = blocks.numel(), half.shape[1], self.block_size, self.head_dim
+        tiles = half[blocks]  # [n, H, bs, D] as stored (a copy)
+        if kind == "channels":
+            tiles = tiles.reshape(n, heads, d, bs).transpose(-1, -2)
+        elif kind == "gather":
+            tiles = tiles.reshape(n, heads, -1)[..., order].view(n, heads, bs, d)
+        flat = tiles.transpose(0, 1).reshape(heads, n * bs, d)  # [H, n * bs, D] in slot order
+        return flat[None, :, :length]
 
     def write(
         self, kv_cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer

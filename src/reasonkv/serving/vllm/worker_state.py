@@ -150,21 +150,21 @@ class WorkerState:
                     query.device,
                 )
             blocks = batch.block_rows[i]
-            read: list = []
+            read: dict = {}
 
-            # Read at most once a layer and request, and only if a hook asks; the defaults bind
-            # this iteration's request (the closure runs inside step()).
-            def read_kv(rl=request_layer, blocks=blocks, read=read):
-                if not read:
-                    read.append(layout.read(kv_cache, blocks, rl.length))
-                return read[0]
+            # Read at most once a layer and request, and only what a hook asks for; the defaults
+            # bind this iteration's request (the closure runs inside step()).
+            def read_kv(values: bool, rl=request_layer, blocks=blocks, read=read):
+                if "keys" not in read or (values and read["values"] is None):
+                    read["keys"], read["values"] = layout.read(kv_cache, blocks, rl.length, values)
+                return read["keys"], read["values"]
 
             q = query[start:end].transpose(0, 1)[None]  # [1, Hq, q, D]
             may_compress = batch.first_index[i] + (end - start) >= state.prompt_len
             slots = request_layer.step(q, batch.positions[start:end], read_kv, scale, may_compress)
             if slots is None:
                 continue
-            keys, values = read_kv()
+            keys, values = read_kv(True)
             index = slots[..., None].expand(-1, -1, keys.shape[-1])
             layout.write(kv_cache, blocks, keys[0].gather(1, index), values[0].gather(1, index), layer)
             self.compressed[rid] = request_layer.length

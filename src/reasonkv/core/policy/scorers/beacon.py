@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -167,6 +167,7 @@ class BeaconKVScorer(Scorer):
     aggregation: Literal["max", "mean"] = "max"
     pooling: Literal["max", "avg", "none"] = "none"
     kernel: int = knob(7, ge=1, le=MAX_KERNEL)
+    step_reads_keys: ClassVar[bool] = False  # on_step only counts and feeds queries
     upkeep_every: int = tokens(8)
     """Queries leaving the recent window wait in a queue and enter the buffers this many at a
     time (all layers in one pass), or when scoring needs the buffers. Continual FPS fed in
@@ -239,7 +240,7 @@ class BeaconKVScorer(Scorer):
         )
 
     # ------------------------------------------------------------- buffer upkeep
-    def on_step(self, step: Observation, keys: torch.Tensor) -> None:
+    def on_step(self, step: Observation, keys: torch.Tensor | None) -> None:
         """Queue the queries that leave the recent window with this forward for the beacon buffers.
 
         When this runs, the layer's window holds the previous queries (the `recent` newest,
