@@ -66,6 +66,14 @@ def assert_no_eviction_matches_stock(model, method: str, budget: int) -> None:
     assert cache.events == []
 
 
+def tiny_group(model, method: str) -> dict:
+    """`group_size` for a method that quantizes by default (quant-int*) on a tiny model: the
+    default group (32) does not divide the tiny models' head dim (16), so they set their own."""
+    if reasonkv.get_method(method).knobs()["kv_bits"] == 16:
+        return {}
+    return {"group_size": model.config.head_dim}
+
+
 def profile_knobs(model, method: str) -> dict:
     """Profile-driven methods (ReasonAlloc) need a profile of the model: give the tiny model
     one with a non-flat demand curve, so layers really get different budgets."""

@@ -64,18 +64,6 @@ def test_methods_lists_every_registered_method():
     assert "buffer(every 128)" in result.output  # snapkv's schedule with its default interval
 
 
-def test_methods_at_80_columns_never_breaks_a_knob_or_a_name():
-    result = runner.invoke(cli.app, ["methods"], env={"COLUMNS": "80"})
-    assert result.exit_code == 0, result.output
-    assert max(len(line) for line in result.output.splitlines()) <= 80
-    text = " ".join(result.output.split())  # line breaks undone: every knob entry stays whole
-    for name, spec in METHODS.items():
-        assert f"{name}:" in result.output
-        for entry in generate_cli._knob_entries(spec):
-            assert entry in text, entry
-    assert "protect_prompt=False" in result.output and "group_size=16 [1,1024]" in result.output
-
-
 def test_methods_picks_up_a_method_registered_later(monkeypatch):
     spec = MethodSpec(
         "beacon-test-only", "a method added after the CLI was written", "-", StreamingScorer, MaxMinThreshold
@@ -320,13 +308,6 @@ def test_thread_count_defaults_to_at_most_four_and_obeys_the_environment(monkeyp
         assert runtime.set_threads() == 1 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
-
-
-def test_methods_markdown_has_one_row_per_method():
-    result = runner.invoke(cli.app, ["methods", "--markdown"])
-    assert result.exit_code == 0
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| `")]
-    assert [row.split("`")[1] for row in rows] == list(METHODS)
 
 
 def test_demo_command_runs_and_reports_errors_cleanly(fake_loader):

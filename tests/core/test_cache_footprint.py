@@ -9,7 +9,7 @@ import torch
 
 import reasonkv
 from conftest import HEAD_DIM, N_LAYERS, greedy_loop, left_pad, random_prompt, tiny_model
-from method_helpers import profile_knobs
+from method_helpers import profile_knobs, tiny_group
 from reasonkv.core.cache import RECENT_EVENTS
 from reasonkv.core.layer import GROWTH_CHUNK
 
@@ -21,7 +21,7 @@ SLOT_BYTES = 2 * KV_HEADS * HEAD_DIM * 4  # K and V of one token, one layer, bat
 def _cache(model, method: str, budget: int, **knobs):
     spec = reasonkv.get_method(method)
     if not spec.compresses:
-        return reasonkv.make_cache(model, method, None)
+        return reasonkv.make_cache(model, method, None, **tiny_group(model, method))
     return reasonkv.make_cache(model, method, budget, **knobs, **profile_knobs(model, method))
 
 

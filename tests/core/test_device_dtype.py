@@ -12,7 +12,7 @@ import torch
 
 import reasonkv
 from conftest import build_tiny_model, random_prompt
-from method_helpers import profile_knobs
+from method_helpers import profile_knobs, tiny_group
 from reasonkv.core.models import resolve_device, resolve_dtype
 
 METHODS = sorted(reasonkv.available_methods())
@@ -94,7 +94,9 @@ def test_a_bf16_cache_keeps_every_tensor_on_the_model_device(method: str, device
     spec = reasonkv.get_method(method)
     knobs = {"interval": 16} if "interval" in spec.knobs() else {}
     budget = 24 if spec.compresses else None
-    cache = reasonkv.make_cache(model, method, budget, **knobs, **profile_knobs(model, method))
+    cache = reasonkv.make_cache(
+        model, method, budget, **knobs, **profile_knobs(model, method), **tiny_group(model, method)
+    )
     prompt = random_prompt(12, seed=5).to(device)
     with torch.no_grad():
         model.generate(

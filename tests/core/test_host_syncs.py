@@ -19,7 +19,7 @@ import torch
 
 import reasonkv
 from conftest import left_pad, random_prompt, tiny_model
-from method_helpers import profile_knobs
+from method_helpers import profile_knobs, tiny_group
 from sync_helpers import SyncRecorder
 
 METHODS = sorted(reasonkv.available_methods())
@@ -70,7 +70,7 @@ def bound_for(method: str) -> int:
 def small_cache(model, method: str):
     spec = reasonkv.get_method(method)
     if not spec.compresses:
-        return reasonkv.make_cache(model, method, None)
+        return reasonkv.make_cache(model, method, None, **tiny_group(model, method))
     knobs = {"interval": 16} if "interval" in spec.knobs() else {}
     return reasonkv.make_cache(model, method, 32, **knobs, **profile_knobs(model, method))
 

@@ -166,4 +166,4 @@ def test_pre_rope_needs_the_models_rope() -> None:
     model = build_tiny_model("llama")
     model.model.rotary_emb.inv_freq = None
     with pytest.raises(KnobError, match="pre_rope needs its RoPE"):
-        make_cache(model, "quant-int4", pre_rope=True)
+        make_cache(model, "quant-int4", pre_rope=True, group_size=16)  # head dim 16

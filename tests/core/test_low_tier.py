@@ -16,7 +16,10 @@ from reasonkv.methods.knobs import KnobError, check_knobs
 from reasonkv.methods.registry import get_method
 from sync_helpers import SyncRecorder
 
-BUDGETS = {"snapkv": (24, {"interval": 8}), "h2o": (24, {}), "beaconkv": (40, {})}
+GROUP = {"group_size": HEAD_DIM}
+"""The tiny models' head dim: the default group (32) does not divide it, and the low tier's
+group is the values' group unless low_group_size is set."""
+BUDGETS = {"snapkv": (24, {"interval": 8, **GROUP}), "h2o": (24, GROUP), "beaconkv": (40, GROUP)}
 
 
 @torch.no_grad()
@@ -219,8 +222,8 @@ def test_a_large_8_bit_low_tier_brings_logits_back_to_the_full_cache(
         return forced(model, ids, torch.ones_like(ids), cache, tokens), cache
 
     full, _ = logits("full")
-    evicting, _ = logits(method, budget, **knobs, **extra)
-    two_tier, cache = logits(method, budget, low_budget=10**6, low_bits=8, **knobs, **extra)
+    evicting, _ = logits(method, budget, **{**knobs, **extra})
+    two_tier, cache = logits(method, budget, low_budget=10**6, low_bits=8, **{**knobs, **extra})
     assert int(cache.memory()["low_tier_tokens"].min()) > 0
     gap_evicting = float((evicting - full).abs().max())
     gap_two_tier = float((two_tier - full).abs().max())
@@ -234,7 +237,7 @@ def test_a_chunked_replay_attends_the_low_tier_as_token_by_token_decoding_does(l
     tier through a causal mask built from both tiers' indices, as single steps do."""
     model = tiny_model("llama")
     ids, tokens = random_prompt(30, 3), random_prompt(60, 4)
-    knobs = {"interval": 8, "low_budget": 20, "low_bits": low_bits}
+    knobs = {"interval": 8, "low_budget": 20, "low_bits": low_bits, **GROUP}
     stepwise = forced(model, ids, torch.ones_like(ids), make_cache(model, "snapkv", 24, **knobs), tokens)
     cache = make_cache(model, "snapkv", 24, **knobs)
     out = model(input_ids=ids, cache=cache, use_cache=True)
@@ -255,7 +258,7 @@ def test_rows_alone_match_the_left_padded_batch() -> None:
     prompts = [random_prompt(30, 5)[0], random_prompt(22, 6)[0]]
     tokens = random_prompt(30, 7, 2)
     ids, mask = left_pad(prompts)
-    knobs = {"interval": 8, "low_budget": 12, "low_bits": 4}
+    knobs = {"interval": 8, "low_budget": 12, "low_bits": 4, **GROUP}
     batch = forced(model, ids, mask, make_cache(model, "snapkv", budget=16, **knobs), tokens)
     for row, p in enumerate(prompts):
         one = p[None]
@@ -287,7 +290,7 @@ def test_memory_counts_the_low_tier_exactly() -> None:
 
 
 def test_rows_reorder_and_reset_cover_the_low_tier() -> None:
-    _, cache = run("snapkv", 24, batch=2, interval=8, low_budget=8)
+    _, cache = run("snapkv", 24, batch=2, interval=8, low_budget=8, **GROUP)
     layer = cache.layers[0]
     before = layer.low_tier.token_index.clone(), layer.low_tier.kq.codes.clone()
     layer.select_rows(torch.tensor([1, 0]))

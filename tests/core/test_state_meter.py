@@ -13,7 +13,7 @@ import torch
 
 import reasonkv
 from conftest import greedy_loop, left_pad, random_prompt, tiny_model
-from method_helpers import profile_knobs
+from method_helpers import profile_knobs, tiny_group
 from reasonkv.core.cache import EventLog, LayerPolicy
 from reasonkv.core.memory_meter import held_bytes
 from reasonkv.core.policy.contract import Allocator, HeadAllocator, Scorer
@@ -33,7 +33,7 @@ STORAGE = {
         "pre_rope": True,
         "hadamard": True,
     },
-    "two-tier": {"low_budget": 16, "low_bits": 4},
+    "two-tier": {"low_budget": 16, "low_bits": 4, "group_size": 16},  # the low tier's: the head dim
 }
 SHARED = (LayerPolicy, Scorer, Schedule, Allocator, HeadAllocator, EventLog, StepTimer, torch.nn.Module)
 """What a cache shares with other caches or reports apart: the method's parts (the model's RoPE
@@ -71,7 +71,7 @@ def _reachable(start: list[object], skip: tuple[type, ...]) -> list[torch.Tensor
 def _cache(model, method: str, budget: int, **knobs):
     spec = reasonkv.get_method(method)
     if not spec.compresses:
-        return reasonkv.make_cache(model, method, None, **knobs)
+        return reasonkv.make_cache(model, method, None, **{**tiny_group(model, method), **knobs})
     if "interval" in spec.knobs():  # compress within the test's 40 steps
         knobs = {"interval": 8, **knobs}
     return reasonkv.make_cache(model, method, budget, **knobs, **profile_knobs(model, method))

@@ -189,7 +189,7 @@ def test_a_setting_that_never_quantizes_is_one_line_naming_its_knobs() -> None:
         "budget 8) only at 66; lower group_size or residual, raise the budget, or use kv_bits=16"
     )
     with pytest.raises(KnobError, match=r"holds at most 191 tokens .*\(residual=200\) only at 216"):
-        make_cache(model(), "snapkv", 64, kv_bits=4, residual=200)  # interval 128: 64 + 127 at most
+        make_cache(model(), "snapkv", 64, kv_bits=4, group_size=16, residual=200)  # 64 + 127 at most
 
 
 def test_a_setting_that_holds_more_says_by_how_much_and_on_how_many_layers() -> None:

@@ -121,9 +121,9 @@ def test_predicted_decode_peak_is_a_replay_alone(method: str) -> None:
     [
         ("rpc", {}, "no fixed trigger"),
         ("adakv-snapkv", {}, "re-splits the budget between heads"),
-        ("quant-int4", {}, "quantized to 4 bits"),
+        ("quant-int4", {"group_size": 16}, "quantized to 4 bits"),  # the tiny head dim: 16
         ("snapkv", {"protect_prompt": True}, "keeps the whole prompt"),
-        ("snapkv", {"low_budget": 32}, "low tier of 32 tokens"),
+        ("snapkv", {"low_budget": 32, "group_size": 16}, "low tier of 32 tokens"),
     ],
 )
 def test_a_schedule_the_prediction_cannot_follow_is_named(method: str, knobs: dict, reason: str) -> None:

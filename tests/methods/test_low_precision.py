@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 import reasonkv
 from conftest import build_tiny_model, random_prompt
-from method_helpers import profile_knobs
+from method_helpers import profile_knobs, tiny_group
 
 METHODS = sorted(reasonkv.available_methods())
 NEW_TOKENS = 24
@@ -43,7 +43,9 @@ def test_no_eviction_in_half_precision_equals_dynamic_cache(method: str, dtype: 
     prompt = random_prompt(12, seed=8)
     reference = greedy(stock, prompt, DynamicCache(config=stock.config))
     budget = 4096 if reasonkv.get_method(method).compresses else None
-    cache = reasonkv.make_cache(model, method, budget, **profile_knobs(model, method))
+    cache = reasonkv.make_cache(
+        model, method, budget, **profile_knobs(model, method), **tiny_group(model, method)
+    )
     out = greedy(model, prompt, cache)
     assert cache.n_compressions == 0
     assert torch.equal(out, reference), (out[0, 12:].tolist(), reference[0, 12:].tolist())

@@ -8,7 +8,7 @@ import torch
 
 import reasonkv
 from conftest import HEAD_DIM, N_LAYERS, dynamic_cache, greedy_loop, left_pad, random_prompt, tiny_model
-from method_helpers import profile_knobs
+from method_helpers import profile_knobs, tiny_group
 
 METHODS = sorted(reasonkv.available_methods())
 PROMPT = 10
@@ -20,7 +20,7 @@ def small_cache(model, method: str):
     """`method` at a budget well below the runs of these tests."""
     spec = reasonkv.get_method(method)
     if not spec.compresses:
-        return reasonkv.make_cache(model, method, None)
+        return reasonkv.make_cache(model, method, None, **tiny_group(model, method))
     knobs = {"interval": SMALL_INTERVAL} if "interval" in spec.knobs() else {}
     return reasonkv.make_cache(model, method, BUDGET, **knobs, **profile_knobs(model, method))
 
@@ -31,7 +31,9 @@ def test_no_eviction_equals_dynamic_cache(method: str, arch: str, attn: str, kv_
     model = tiny_model(arch, attn, kv_heads)
     prompt = random_prompt(PROMPT, seed=21)
     budget = None if not reasonkv.get_method(method).compresses else 4096
-    cache = reasonkv.make_cache(model, method, budget, **profile_knobs(model, method))
+    cache = reasonkv.make_cache(
+        model, method, budget, **profile_knobs(model, method), **tiny_group(model, method)
+    )
 
     tokens, logits = greedy_loop(model, prompt, cache, 30)
     ref_tokens, ref_logits = greedy_loop(model, prompt, dynamic_cache(), 30)

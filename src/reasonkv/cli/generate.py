@@ -3,15 +3,12 @@ and compare methods on one problem."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Annotated
 
 import torch
 import typer
-from rich.markup import escape
-from rich.table import Table
 
 from reasonkv.cli.common import (
     AttnOption,
@@ -30,126 +27,30 @@ from reasonkv.cli.common import (
     loading_status,
     parse_sets,
 )
+from reasonkv.cli.methods_list import methods_markdown, print_methods
 from reasonkv.core.models import DEFAULT_MODEL, load_model
-from reasonkv.core.policy.knob import MAX_TOKENS
-from reasonkv.core.quantize import LOW_TIER_KNOBS, KVFormat
 from reasonkv.harness.demo import memory_summary, run_demo
 from reasonkv.harness.runs import record_all_events, run_record, save_run
 from reasonkv.methods.api import GREEDY, make_cache
 from reasonkv.methods.api import generate as generate_text
-from reasonkv.methods.knobs import check_budget, check_knobs, knob_bounds, literal_choices
-from reasonkv.methods.registry import METHODS, PROTECTION_KNOBS, MethodSpec, get_method
+from reasonkv.methods.knobs import check_budget, check_knobs
+from reasonkv.methods.registry import get_method
 from reasonkv.util.formatting import format_bytes
 from reasonkv.util.records import not_utf8
 from reasonkv.util.runtime import set_threads
 
 
-def describe_schedule(spec: MethodSpec) -> str:
-    """The schedule with this method's defaults, e.g. 'buffer(every 128)'."""
-    sched = spec.schedule
-    if isinstance(sched, type):
-        names = {f.name for f in dataclasses.fields(sched) if f.init and f.name != "name"}
-        sched = sched(**{k: v for k, v in spec.knobs().items() if k in names})
-    return sched.describe()
-
-
-def format_knobs(spec: MethodSpec) -> str:
-    """The method's knobs with their defaults; the storage knobs only where the method sets
-    them (every method has them, and at 16 bits or without a low tier they change nothing)."""
-    knobs = spec.knobs()
-    storage = {f.name for f in dataclasses.fields(KVFormat)}
-
-    def shown(name: str) -> bool:
-        if name in LOW_TIER_KNOBS:
-            return knobs["low_budget"] != 0
-        return name not in storage or knobs["kv_bits"] != 16
-
-    return " ".join(f"{k}={v}" for k, v in knobs.items() if shown(k))
-
-
-def _compact_rule(spec: MethodSpec, name: str) -> str:
-    """A knob's choices or range in a few characters: '{max|avg}', '[0, 1]', '>=1' ('' for a bool)."""
-    choices = literal_choices(spec, name)
-    if choices is not None:
-        return "{" + "|".join(map(str, choices)) + "}"
-    rules = []
-    for bounds in knob_bounds(spec, name):
-        if bounds.le == MAX_TOKENS:  # a token count: its upper bound is only a sanity limit
-            bounds = dataclasses.replace(bounds, le=None)
-        rule = bounds.describe().replace(" ", "")
-        rules.append("" if rule == "anyvalue" else rule[2:] if rule.startswith("in") else f"({rule})")
-    return ",".join(r for r in dict.fromkeys(rules) if r)
-
-
-def format_knob_ranges(spec: MethodSpec) -> str:
-    """Each knob's default and what it accepts, e.g. 'fraction=0.125 (0,1) window=8 (>=1)'."""
-    parts = ((f"{k}={v}", _compact_rule(spec, k)) for k, v in spec.knobs().items())
-    return " ".join(f"{knob} {rule}" if rule else knob for knob, rule in parts)
-
-
-def methods_markdown() -> str:
-    """The method table as Markdown (the README's table is this output)."""
-    rows = ["| method | what it does | schedule | default knobs | paper |", "|---|---|---|---|---|"]
-    for name, spec in METHODS.items():
-        knobs = f"`{format_knobs(spec)}`"
-        cells = [f"`{name}`", spec.description, describe_schedule(spec), knobs, spec.paper]
-        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    return "\n".join(rows)
-
-
 def methods_command(
-    markdown: Annotated[bool, typer.Option("--markdown", help="Print a Markdown table instead.")] = False,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="Print the reference as Markdown (docs/methods.md is this).")
+    ] = False,
 ) -> None:
-    """List every registered KV-cache method with its schedule and default parameters."""
+    """List every registered KV-cache method with its own knobs, the storage and protection
+    knobs they share, and the presets (recommended configurations) with their numbers."""
     if markdown:
-        typer.echo(methods_markdown())
+        typer.echo(methods_markdown(), nl=False)
         return
-    if console.width < 110:  # a table would fold knob names mid-word: key: value blocks instead
-        _print_methods_as_blocks(console.width)
-        return
-    table = Table(title="reasonkv methods", show_lines=True, expand=True)
-    longest = max((len(n) for n in METHODS), default=4)
-    table.add_column("name", style="bold cyan", no_wrap=True, min_width=longest)
-    table.add_column("description", ratio=3)
-    table.add_column("schedule", min_width=12, max_width=22)
-    table.add_column("default knobs (--set key=value) and ranges", ratio=2)
-    table.add_column("paper", ratio=2)
-    for name, spec in METHODS.items():
-        # Registry text is plain: escape it so a "[...]" in a description is not read as markup.
-        desc, paper = escape(spec.description), escape(spec.paper)
-        knobs = escape(format_knob_ranges(spec))
-        table.add_row(escape(name), desc, escape(describe_schedule(spec)), knobs, paper)
-    console.print(table)
-    protect = ", ".join(f"{k}: {v}" for k, v in PROTECTION_KNOBS.items())
-    console.print(f"Every compressing method also takes the protection knobs ({protect}).", markup=False)
-
-
-def _knob_entries(spec: MethodSpec) -> list[str]:
-    """'fraction=0.125 (0,1)', one per knob: the unit that line breaks must not split."""
-    return [f"{k}={v} {rule}".strip() for k, v in spec.knobs().items() for rule in [_compact_rule(spec, k)]]
-
-
-def _print_methods_as_blocks(width: int) -> None:
-    """`reasonkv methods` for a narrow terminal: a block per method, lines broken only between
-    knobs and between words."""
-    indent = "    "
-    for name, spec in METHODS.items():
-        console.print(f"[bold cyan]{escape(name)}[/bold cyan]: {escape(spec.description)}", soft_wrap=False)
-        console.print(f"{indent}schedule: {escape(describe_schedule(spec))}", highlight=False)
-        lines, line = [], ""
-        for entry in _knob_entries(spec):
-            if line and len(indent) + len("knobs: ") + len(line) + 2 + len(entry) > width:
-                lines.append(line)
-                line = ""
-            line = f"{line}  {entry}" if line else entry
-        lines.append(line)
-        for k, text in enumerate(lines):
-            lead = f"{indent}knobs: " if k == 0 else indent + " " * len("knobs: ")
-            console.print(escape(lead + text), highlight=False, soft_wrap=True)
-        if spec.paper != "-":
-            console.print(f"{indent}[dim]paper: {escape(spec.paper)}[/dim]")
-    protect = ", ".join(f"{k}: {v}" for k, v in PROTECTION_KNOBS.items())
-    console.print(f"Every compressing method also takes the protection knobs ({protect}).", markup=False)
+    print_methods(console.width)
 
 
 def generate_command(

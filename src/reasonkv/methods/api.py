@@ -125,7 +125,8 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
 
     Also installs reasonkv's attention function on `model` (same backend as before; it
     behaves exactly like the stock one when used without a CompressedCache). Parameters of
-    the method (see `reasonkv methods`) are set by keyword, e.g. `window=16`.
+    the method (see `reasonkv methods`) are set by keyword, e.g. `window=16`. `method` may be
+    a preset (`beaconkv-int4`, methods/presets.py): its method with its knobs, yours over them.
 
     Quantized storage (kv_bits < 16) that would never quantize a token at this budget, or that
     would hold more K/V while decoding than the same cache at 16 bits, is refused (a KnobError
@@ -144,8 +145,9 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
     )
     install_attention(model)
     modules = attention_modules(model)
+    name = get_method(method).preset_of or method  # a preset's cache is its method's
     return CompressedCache(
-        budgets, policy, method=method, attention_modules=modules, scaling=float(modules[0].scaling)
+        budgets, policy, method=name, attention_modules=modules, scaling=float(modules[0].scaling)
     )
 
 
@@ -162,7 +164,9 @@ def build_policy(
     `shape`: what `make_cache` builds its cache from, and what a serving engine's adapter runs.
     Knobs are checked as everywhere else (a KnobError in one line)."""
     spec = get_method(method)
-    knobs = check_knobs(spec, overrides)
+    knobs = check_knobs(spec, overrides)  # a preset's knobs under the caller's, errors naming it
+    if spec.preset_of is not None:  # then the very cache its method with those knobs builds
+        spec = get_method(spec.preset_of)
     budget = check_budget(spec, budget, knobs)
     parts = build_parts(spec, at_budget(spec, budget, knobs))
     protected = parts.protected

@@ -13,6 +13,7 @@ from reasonkv.core.policy.contract import BudgetPlan
 from reasonkv.core.policy.knob import MAX_TOKENS, Bounds, declared_bounds
 from reasonkv.core.policy.schedules import Schedule
 from reasonkv.core.quantize import KVFormat, default_residual
+from reasonkv.methods.presets import PRESETS
 from reasonkv.methods.profiles import load_profile
 from reasonkv.methods.registry import PROTECTION_BOUNDS, PROTECTION_KNOBS, MethodSpec, get_method
 from reasonkv.util.formatting import format_bytes
@@ -115,10 +116,15 @@ def check_knobs(spec: MethodSpec, knobs: dict[str, object]) -> dict[str, object]
     float knob an int or float, a bool knob true/false; Literal-annotated knobs take one of
     their choices; a knob declared with `reasonkv.core.policy.knob.knob` must be in its range.
     Rules between knobs (beacon_min < beacon_max) are the parts' own checks when built.
+
+    For a preset the result is its knobs with the given ones over them: what a record of it
+    keeps, so the record says what ran without the preset's definition beside it.
     """
     defaults = spec.knobs()
     check_known(knobs, defaults, f"method {spec.name!r}")
     out: dict[str, object] = {}
+    if spec.preset_of is not None:
+        out.update(PRESETS[spec.name].knobs)
     for name, value in knobs.items():
         value = _check_type(spec, name, value, defaults[name])
         choices = literal_choices(spec, name)
@@ -315,6 +321,10 @@ def knobs_for_methods(
             # A two-tier unit records its tier's width: the default changed once (2 -> 4), and
             # a sweep unit's key, made from these knobs, must not stand for both.
             out[name]["low_bits"] = spec.knobs()["low_bits"]
+        if "group_size" not in out[name] and stores_quantized(name, out[name]):
+            # Likewise a unit stored below 16 bits records its group: the default changed once
+            # (16 -> 32), and the published units of 16 spell it (examples/bytes/).
+            out[name]["group_size"] = spec.knobs()["group_size"]
     return out
 
 

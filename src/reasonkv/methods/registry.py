@@ -31,6 +31,7 @@ from reasonkv.core.policy.schedules import (
     Schedule,
 )
 from reasonkv.core.quantize import KVFormat
+from reasonkv.methods.presets import PRESETS, Preset
 
 PROTECTION_KNOBS = {
     "n_sink": "first real tokens always kept (attention sinks)",
@@ -55,6 +56,8 @@ class MethodSpec:
     """Optional per-head split at each compression (LayerPolicy.head_allocator), e.g. AdaKV."""
     storage: type = KVFormat
     """How the cache stores what it keeps (kv_bits, group_size, residual): every method has it."""
+    preset_of: str | None = None
+    """For a preset (methods/presets.py): the method it sets knobs of; its knobs are in `defaults`."""
 
     def knobs(self) -> dict[str, object]:
         """Every settable parameter with its default for this method."""
@@ -75,22 +78,58 @@ METHODS: dict[str, MethodSpec] = {}
 
 
 def register(spec: MethodSpec) -> MethodSpec:
-    if spec.name in METHODS:
-        raise ValueError(f"method {spec.name!r} is already registered")
+    if spec.name in METHODS or spec.name in PRESETS:
+        kind = "method" if spec.name in METHODS else "preset"
+        raise ValueError(f"{spec.name!r} is already registered as a {kind}")
     METHODS[spec.name] = spec
     return spec
 
 
 def get_method(name: str) -> MethodSpec:
-    try:
+    """The registered method, or for a preset its method with the preset's knobs as defaults
+    (so a preset's name works wherever a method's does, the caller's knobs over its own)."""
+    if name in METHODS:
         return METHODS[name]
-    except KeyError:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}") from None
+    if name in PRESETS:
+        return preset_spec(PRESETS[name])
+    names = ", ".join(METHODS) + (f"; presets: {', '.join(PRESETS)}" if PRESETS else "")
+    raise ValueError(f"unknown method {name!r}; available: {names}")
+
+
+def preset_spec(preset: Preset) -> MethodSpec:
+    """A preset as a MethodSpec: its method's parts, the preset's knobs over the defaults."""
+    base = METHODS.get(preset.method)
+    if base is None:  # a preset of a method that is not registered is the preset's own error
+        raise ValueError(f"preset {preset.name!r} is of method {preset.method!r}, which is not registered")
+    knobs = ", ".join(f"{k}={v}" for k, v in preset.knobs.items())
+    return dataclasses.replace(
+        base,
+        name=preset.name,
+        description=f"{preset.method} with {knobs}: {preset.summary}",
+        defaults={**base.defaults, **preset.knobs},
+        preset_of=preset.method,
+    )
+
+
+def resolve(name: str, knobs: dict[str, object] | None = None) -> tuple[str, dict[str, object]]:
+    """(method, knobs) that `name` with `knobs` stands for: a preset becomes its method with the
+    preset's knobs under the given ones; a method's name is returned as it is. Unknown names
+    raise ValueError."""
+    spec = get_method(name)
+    given = dict(knobs or {})
+    if spec.preset_of is None:
+        return name, given
+    return spec.preset_of, {**PRESETS[name].knobs, **given}
 
 
 def available_methods() -> dict[str, str]:
-    """Method names with a one-line description."""
+    """Method names with a one-line description (presets: `available_presets`)."""
     return {name: spec.description for name, spec in METHODS.items()}
+
+
+def available_presets() -> dict[str, str]:
+    """Preset names with what they stand for and their evidence."""
+    return {name: f"{get_method(name).description} ({p.evidence})" for name, p in PRESETS.items()}
 
 
 register(
