@@ -66,7 +66,8 @@ def test_a_method_entry_with_its_own_knobs_runs_beside_the_plain_method() -> Non
     plain, quantized, quant = runs
     assert plain.knobs == {"window": 16}  # --set goes to both settings of snapkv
     assert quantized.knobs == {"window": 16, "kv_bits": 4, "group_size": 32}
-    assert quant.knobs == {}  # quant-int2 has no window: --set skips it
+    # quant-int2 has no window (--set skips it); a unit stored below 16 bits records its group
+    assert quant.knobs == {"group_size": 32}
     with pytest.raises(KnobError, match="kv_bits"):
         common.build_runs(["snapkv:kv_bits=3"], [64], {})
     with pytest.raises(KnobError, match="no_such_knob"):
@@ -79,7 +80,7 @@ def test_a_method_entry_with_its_own_knobs_runs_beside_the_plain_method() -> Non
         common.build_runs(["full:kv_bit=4"], [64], {})
     with pytest.raises(common.CliError, match="does not use window"):
         common.build_runs(["full:window=8"], [64], {})
-    assert common.build_runs(["full:kv_bits=4"], [64], {})[0].knobs == {"kv_bits": 4}
+    assert common.build_runs(["full:kv_bits=4"], [64], {})[0].knobs == {"kv_bits": 4, "group_size": 32}
 
 
 def test_replay_with_a_bad_knob_exits_2_in_one_line(tmp_path) -> None:
@@ -124,6 +125,9 @@ def test_replay_refuses_storage_that_quantizes_nothing_in_one_line_before_replay
     from reasonkv.cli import replay as replay_cli
 
     monkeypatch.setattr(replay_cli, "load_model", lambda name, **kwargs: (tiny_llama(), CharTokenizer()))
+    monkeypatch.setattr(
+        replay_cli, "load_tokenizer_and_config", lambda name: (CharTokenizer(), tiny_llama().config)
+    )
     monkeypatch.setattr(replay_cli, "replay_batch", None)  # a replay would fail on this, not in one line
     traces = tmp_path / "t.jsonl"
     traces.write_text('{"id": "t0", "problem": "2+2?", "trace": "' + "four. " * 8 + '"}\n')

@@ -384,6 +384,10 @@ def loader(monkeypatch):
         return tiny_llama(), CharTokenizer()
 
     monkeypatch.setattr(replay_cli, "load_model", load)
+    # What is read before the weights: the tokenizer and the config (max_position_embeddings).
+    monkeypatch.setattr(
+        replay_cli, "load_tokenizer_and_config", lambda name: (CharTokenizer(), tiny_llama().config)
+    )
     yield calls
     torch.set_num_threads(threads)
 
@@ -447,7 +451,7 @@ def test_replay_command_says_a_batch_of_quantized_rows_is_not_each_trace_alone(l
     traces = tmp_path / "t.jsonl"
     write_traces(traces)
     args = ["replay", "--traces", str(traces), "--model", "tiny", "--max-tokens", "60", "--budgets", "16"]
-    args += ["--methods", "streaming,quant-int4", "--out", str(tmp_path / "r.json")]
+    args += ["--methods", "streaming,quant-int4", "--set", "group_size=16", "--out", str(tmp_path / "r.json")]
     batched = runner.invoke(replay_app(), [*args, "--batch"], env=WIDE)
     assert batched.exit_code == 0, batched.output
     assert "--batch with quantized storage (quant-int4)" in " ".join(errors_of(batched).split())

@@ -25,6 +25,9 @@ def tiny(monkeypatch):
     load = lambda name, **kwargs: (tiny_llama(), CharTokenizer())  # noqa: E731
     monkeypatch.setattr(accuracy_cli, "load_model", load)
     monkeypatch.setattr(replay_cli, "load_model", load)
+    monkeypatch.setattr(
+        replay_cli, "load_tokenizer_and_config", lambda name: (CharTokenizer(), tiny_llama().config)
+    )
 
 
 def run(args: list[str]):

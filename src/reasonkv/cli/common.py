@@ -218,9 +218,10 @@ def replay_unit_line(item: str, label: str, kl: float, top1: float, peak: float)
 
 
 @contextlib.contextmanager
-def loading_status(model_name: str) -> Iterator[None]:
-    """While a model loads: a spinner on stderr that names it, the libraries' own bars hidden."""
-    with err_console.status(f"loading {model_name}…"), quiet_loading():
+def loading_status(model_name: str, part: str = "") -> Iterator[None]:
+    """While a model (or a `part` of it) loads: a spinner on stderr that names it, the libraries'
+    own bars hidden."""
+    with err_console.status(f"loading {model_name}{part}…"), quiet_loading():
         yield
 
 

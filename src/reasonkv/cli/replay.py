@@ -37,7 +37,13 @@ from reasonkv.cli.common import (
     replay_unit_line,
     split_list,
 )
-from reasonkv.core.models import DEFAULT_MODEL, load_model, model_note
+from reasonkv.core.models import (
+    DEFAULT_MODEL,
+    load_model,
+    load_tokenizer_and_config,
+    max_positions,
+    model_note,
+)
 from reasonkv.harness.replay import (
     BIN,
     BLOCK,
@@ -45,9 +51,10 @@ from reasonkv.harness.replay import (
     plot_fidelity,
     replay_batch,
     replay_methods,
+    replay_work,
     summarize,
 )
-from reasonkv.harness.traces import load_traces, replay_input
+from reasonkv.harness.traces import check_replay_input, load_traces_where, replay_input
 from reasonkv.methods.knobs import stores_quantized
 from reasonkv.util.formatting import format_or_dash
 from reasonkv.util.records import utc_timestamp, write_json_atomic
@@ -118,17 +125,24 @@ def replay_command(
         if limit is not None and limit <= 0:
             raise CliError(f"--limit must be positive, got {limit}")
         id_list = split_list(ids, "--ids") if ids is not None else None
-        rows = load_traces(traces, limit=limit, variant=None if variant == "all" else variant, ids=id_list)
+        rows = load_traces_where(
+            traces, limit=limit, variant=None if variant == "all" else variant, ids=id_list
+        )
         if not rows:
             raise CliError(f"{traces}: no traces of variant {variant!r}")
         where = check_device(device, dtype)
         set_threads()
+        # Every trace is checked against the tokenizer and the model's positions (seconds)
+        # before the weights load (a minute): a bad trace fails now, by name.
+        with loading_status(model_name, " (tokenizer, config)"):
+            tokenizer, config = load_tokenizer_and_config(model_name)
+        limit_positions = max_positions(config)
+        inputs = [
+            check_replay_input(replay_input(tokenizer, row, max_tokens, where=at), limit_positions, at)
+            for at, row in rows
+        ]
         with loading_status(model_name):
-            model, tokenizer = load_model(model_name, **where)
-        inputs = [replay_input(tokenizer, row, max_tokens) for row in rows]
-        short = [i.id for i in inputs if i.input_ids.shape[1] - i.prompt_len < 2]
-        if short:
-            raise CliError(f"traces too short to replay (under 2 trace tokens): {', '.join(short)}")
+            model, _ = load_model(model_name, **where)
         check_runs_build(model, runs)
     except (CliError, ValueError, FileNotFoundError) as err:
         fail(str(err))
@@ -141,12 +155,12 @@ def replay_command(
             "(their KL and peak differ); leave out --batch to measure each trace alone",
             soft_wrap=True,
         )
-    lengths = [int(i.input_ids.shape[1]) - 1 - i.prompt_len for i in inputs]
-    total = max(lengths) if batch else sum(lengths)
+    total = replay_work(inputs, runs, batch)
     results = []
     start = time.perf_counter()
     with progress_bar() as progress:
-        what = "trace columns" if batch else "positions"
+        # Counted per run (runs × positions): the line moves as each run feeds a chunk.
+        what = "runs × trace columns" if batch else "runs × positions"
         task = progress.add_task(f"replaying {len(inputs)} traces × {len(runs)} runs ({what})", total=total)
         advance = lambda k: progress.advance(task, k)  # noqa: E731
         if batch:
@@ -199,9 +213,10 @@ def replay_command(
         caption_justify="left",
     )
     columns = ("method", "budget", "mean KL", "top-1", "ppl ratio", "tokens", "live/head", "seconds")
+    names = {run.label: run.name for run in runs}  # method and its own knobs: two settings, two labels
     rows = [
         [
-            row["method"],
+            names.get(row["label"], row["method"]),
             "-" if row["budget"] is None else str(row["budget"]),
             format_or_dash(row["mean_kl"], ".4f"),
             format_or_dash(row["top1"], ".3f"),

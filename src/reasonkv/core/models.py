@@ -24,6 +24,7 @@ from reasonkv.core.random_models import (
     random_config,
     random_shape,
 )
+from reasonkv.util.runtime import set_threads
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -239,6 +240,71 @@ def check_local_model(name: str | Path) -> Path:
     return path
 
 
+def _source(name_or_path: str, gguf_file: str | None) -> tuple[str, str | None]:
+    """Where transformers reads a (non-random) model from: (folder or hub id, GGUF file name or
+    None). A bad name or path is a one-line error, raised before anything loads."""
+    if name_or_path in BUNDLED_GGUF:
+        path = bundled_gguf_path(name_or_path)
+        return str(path.parent), path.name
+    if looks_like_path(str(name_or_path)):
+        path = check_local_model(name_or_path)
+        return (str(path.parent), path.name) if path.is_file() else (str(path), gguf_file)
+    source = str(name_or_path)
+    if not os.path.exists(source) and "/" not in source:
+        raise FileNotFoundError(
+            f"model {source!r} is neither a bundled name ({', '.join(BUNDLED_GGUF)}), a local path, "
+            f"a Hugging Face id (org/name), nor random:NAME ({', '.join(RANDOM_MODELS)})"
+        )
+    return source, gguf_file
+
+
+def _not_loadable(name_or_path: str, err: OSError) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"could not load {name_or_path!r}: {err.__class__.__name__}. Give a local path, or make sure the "
+        "Hugging Face hub is reachable (HF_HUB_OFFLINE unset) for hub ids"
+    )
+
+
+def _raise_if_corrupt(source: str, gguf_file: str | None, err: Exception) -> None:
+    """A read error from a GGUF file as a CorruptModelError that names it (other errors: nothing)."""
+    if not gguf_file or "not supported" in str(err):
+        return
+    reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else err.__class__.__name__
+    raise CorruptModelError(
+        f"GGUF file {Path(source) / gguf_file} is truncated or corrupt ({reason})"
+    ) from err
+
+
+def load_tokenizer_and_config(name_or_path: str = DEFAULT_MODEL, gguf_file: str | None = None):
+    """The tokenizer (left padding, as load_model gives it) and the transformers config of a
+    model, without its weights: seconds where load_model takes a minute, so a command can check
+    its inputs against them (e.g. `max_positions`) first. A GGUF's config comes from its
+    metadata; a random model's from its shape. Names as `load_model` takes them."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if is_random_model(name_or_path):
+        config = random_config(name_or_path)
+        return random_model_tokenizer(), config
+    source, gguf_file = _source(name_or_path, gguf_file)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        config = AutoConfig.from_pretrained(source, **kwargs)
+    except OSError as err:
+        raise _not_loadable(name_or_path, err) from err
+    except GGUF_READ_ERRORS as err:
+        _raise_if_corrupt(source, gguf_file, err)
+        raise
+    return _left_padding(tokenizer), config
+
+
+def max_positions(config) -> int | None:
+    """The most positions the model was built for (`max_position_embeddings`; None if its config
+    has none): RoPE positions past it are extrapolation, and the numbers there mean little."""
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype | str | None = "auto",
@@ -254,6 +320,11 @@ def load_model(
     (make_cache later swaps in reasonkv's version of the same backend). device: "auto" (CUDA
     when present, else the CPU), cpu, cuda, cuda:N or mps; dtype: "auto" (bfloat16 on CUDA,
     float32 elsewhere), float32, bfloat16 or float16. Both are checked before anything loads.
+
+    REASONKV_THREADS, when set, sets torch's thread count here, as in every command (on a busy
+    machine torch's default of one thread per core can be many times slower than 1); unset,
+    the count is left as it is. A value that is not a positive integer is a ValueError.
+    `load_tokenizer_and_config` reads the tokenizer and config alone, without the weights.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -261,21 +332,10 @@ def load_model(
     dtype = resolve_dtype(dtype, device)
     if attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f"attn_implementation must be 'sdpa' or 'eager', got {attn_implementation!r}")
+    set_threads(env_only=True)
     if is_random_model(name_or_path):
         return load_random_model(name_or_path, dtype, attn_implementation, device)
-    if name_or_path in BUNDLED_GGUF:
-        path = bundled_gguf_path(name_or_path)
-        source, gguf_file = str(path.parent), path.name
-    elif looks_like_path(str(name_or_path)):
-        path = check_local_model(name_or_path)
-        source, gguf_file = (str(path.parent), path.name) if path.is_file() else (str(path), gguf_file)
-    else:
-        source = str(name_or_path)
-        if not os.path.exists(source) and "/" not in source:
-            raise FileNotFoundError(
-                f"model {source!r} is neither a bundled name ({', '.join(BUNDLED_GGUF)}), a local path, "
-                f"a Hugging Face id (org/name), nor random:NAME ({', '.join(RANDOM_MODELS)})"
-            )
+    source, gguf_file = _source(name_or_path, gguf_file)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
@@ -283,17 +343,10 @@ def load_model(
             source, dtype=dtype, attn_implementation=attn_implementation, **kwargs
         )
     except OSError as err:
-        raise FileNotFoundError(
-            f"could not load {name_or_path!r}: {err.__class__.__name__}. Give a local path, or make sure the "
-            "Hugging Face hub is reachable (HF_HUB_OFFLINE unset) for hub ids"
-        ) from err
+        raise _not_loadable(name_or_path, err) from err
     except GGUF_READ_ERRORS as err:
-        if not gguf_file or "not supported" in str(err):
-            raise
-        reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else err.__class__.__name__
-        raise CorruptModelError(
-            f"GGUF file {Path(source) / gguf_file} is truncated or corrupt ({reason})"
-        ) from err
+        _raise_if_corrupt(source, gguf_file, err)
+        raise
     check_supported(model.config)
     model.to(device).eval()
     if getattr(model.config, "name_or_path", None) in (None, "", source):

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 import torch
 
 from reasonkv.core.cache import CompressedCache
+from reasonkv.core.models import max_positions
 from reasonkv.harness.replay_plot import plot_fidelity  # noqa: F401 (its old home: callers import it here)
-from reasonkv.harness.traces import ReplayInput
+from reasonkv.harness.traces import ReplayInput, check_replay_input
 from reasonkv.methods.api import make_cache
 from reasonkv.methods.registry import get_method
 
@@ -120,9 +121,13 @@ class ReplayRun:
     have two labels."""
 
     @property
+    def name(self) -> str:
+        """The method with the knobs this run alone was given: "snapkv:kv_bits=4"."""
+        return self.method + self.tag
+
+    @property
     def label(self) -> str:
-        name = self.method + self.tag
-        return name if self.budget is None else f"{name}@{self.budget}"
+        return self.name if self.budget is None else f"{self.name}@{self.budget}"
 
     def to_dict(self) -> dict:
         """The run as saved in every record: method, budget, knobs."""
@@ -359,20 +364,15 @@ def replay_batch(
     batched matmuls (tests compare them).
 
     stepwise=True feeds the method caches one token per forward (the slow reference that the
-    chunk plan must equal); progress(k) is called after each block of k trace columns.
-    Per-row `seconds` is the lane's time divided by the rows (they shared every forward).
-    """
+    chunk plan must equal); progress(k) is called each time one run has fed k more trace
+    columns, so it moves with each run (in all: `replay_work(inputs, runs, batch=True)`).
+    Per-row `seconds` is the lane's time divided by the rows (they shared every forward). A
+    trace longer than the model's max_position_embeddings is a ValueError that names it."""
     if not inputs:
         raise ValueError("replay needs at least one trace")
-    for inp in inputs:
-        shape = tuple(inp.input_ids.shape)
-        if len(shape) != 2 or shape[0] != 1:
-            raise ValueError(f"{inp.id}: input_ids must be [1, n], got {shape}")
-        if not 1 <= inp.prompt_len < shape[1] - 1:
-            raise ValueError(
-                f"{inp.id}: need 1 <= prompt_len < n - 1 (a trace of at least 2 tokens); "
-                f"got {inp.prompt_len}, n={shape[1]}"
-            )
+    limit = max_positions(model.config)
+    for inp in inputs:  # before any forward: a trace past the model's positions is refused
+        check_replay_input(inp, limit)
     if block <= 0:
         raise ValueError(f"block must be positive, got {block}")
     device = next(model.parameters()).device
@@ -405,11 +405,9 @@ def replay_batch(
             ref = reference_stats(batch.forward(model, reference, a, b).logits, targets)
             for lane in lanes:
                 t0 = time.perf_counter()
-                _advance(model, lane, batch, a, b, ref, targets, valid_to)
+                _advance(model, lane, batch, a, b, ref, targets, valid_to, progress)
                 lane.seconds += time.perf_counter() - t0
             del ref  # [B, block, V] twice: freed before the next block
-            if progress is not None:
-                progress(b - a)
     results: list[list[ReplayResult]] = [[] for _ in inputs]
     for lane in lanes:
         cat = {
@@ -463,8 +461,10 @@ def _advance(
     ref: dict[str, torch.Tensor],
     targets: torch.Tensor,
     valid_to: torch.Tensor,
+    progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Feed columns [a, b) into the lane's cache in chunks that end at its compression points."""
+    """Feed columns [a, b) into the lane's cache in chunks that end at its compression points,
+    calling progress(k) after each chunk of k columns."""
     pos = a
     while pos < b:
         plan = 1 if lane.stepwise else chunk_plan(lane.cache)
@@ -488,6 +488,15 @@ def _advance(
         lane.kv_weighted_16bit += k_row * (lane.cache.kv_meter.current_16bit / batch.ids.shape[0])
         lane.forwards += 1
         pos += k
+        if progress is not None:
+            progress(k)
+
+
+def replay_work(inputs: list[ReplayInput], runs: list[ReplayRun], batch: bool = False) -> int:
+    """The progress total of replaying `inputs` under `runs`: runs × trace positions (one by one)
+    or runs × the longest trace's positions (one `replay_batch`)."""
+    lengths = [int(i.input_ids.shape[1]) - 1 - i.prompt_len for i in inputs]
+    return len(runs) * (max(lengths, default=0) if batch else sum(lengths))
 
 
 def replay_methods(

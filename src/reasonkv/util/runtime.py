@@ -9,15 +9,32 @@ import os
 
 import torch
 
+THREADS_ENV = "REASONKV_THREADS"
 
-def set_threads() -> int:
-    """Use min(4, cores) threads, or REASONKV_THREADS when set. Decoding a small model runs
-    many tiny ops, and more threads than free cores makes each op wait on the others; on a
-    busy machine REASONKV_THREADS=1 can be several times faster."""
-    env = os.environ.get("REASONKV_THREADS", "").strip()
-    n = int(env) if env.isdigit() and int(env) > 0 else min(4, os.cpu_count() or 1)
-    torch.set_num_threads(n)
-    return n
+
+def env_threads() -> int | None:
+    """REASONKV_THREADS as a thread count (None when unset or blank). Anything but a positive
+    integer is a one-line ValueError: a typo must not fall back to a default silently."""
+    text = os.environ.get(THREADS_ENV, "").strip()
+    if not text:
+        return None
+    if not (text.isascii() and text.isdigit()) or int(text) <= 0:
+        raise ValueError(f"{THREADS_ENV} must be a positive integer (torch threads), got {text!r}")
+    return int(text)
+
+
+def set_threads(*, env_only: bool = False) -> int:
+    """Set torch's threads to REASONKV_THREADS when set, else to min(4, cores) (the commands'
+    default), or, with env_only (load_model's way), leave them as they are. Returns the count
+    now in use. Decoding a small model runs many tiny ops, and more threads than free cores
+    makes each op wait on the others; on a busy machine REASONKV_THREADS=1 can be several
+    times faster."""
+    n = env_threads()
+    if n is None and not env_only:
+        n = min(4, os.cpu_count() or 1)
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
 
 
 @contextlib.contextmanager

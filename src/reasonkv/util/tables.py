@@ -7,7 +7,7 @@ never cut. When the table is too wide, in this order:
 1. the columns the caller marked optional go, least needed first, and the caption says
    which (whoever needs them has the JSON or Markdown output);
 2. the label column (method or run name) narrows down to LABEL_MIN_WIDTH, its names broken
-   after '-', '@' or '=' rather than mid-word;
+   after ':', then '-', '@' or '=' rather than mid-word;
 3. what still does not fit goes to a second table below the first, labels repeated.
 """
 
@@ -26,12 +26,23 @@ LABEL_MIN_WIDTH = 12
 """The label column narrows to this width and no further."""
 
 
+BREAKS = (r"(?<=[:, ])", r"(?<=[-@=])")
+"""Where a label may break, coarsest first: after ':' (a method from its knobs: "snapkv:" /
+"kv_bits=4:"), ',' or a space; then, inside a piece still too wide, after '-', '@' or '='."""
+
+
+def _pieces(text: str, width: int, level: int = 0) -> list[str]:
+    if len(text) <= width or level == len(BREAKS):
+        return [text]
+    return [q for p in re.split(BREAKS[level], text) if p for q in _pieces(p, width, level + 1)]
+
+
 def wrap_label(text: str, width: int) -> str:
-    """`text` broken into lines of at most `width`, after '-', '@', '=', ',' or a space where
-    it can, mid-word only for a piece longer than `width`."""
+    """`text` broken into lines of at most `width` where BREAKS allow (a knob's key=value stays
+    whole where it fits), mid-word only for a piece longer than `width`."""
     if len(text) <= width:
         return text
-    pieces = [p for p in re.split(r"(?<=[-@=, ])", text) if p]
+    pieces = _pieces(text, width)
     lines, line = [], ""
     for piece in pieces:
         while len(piece) > width:  # one piece longer than the column: cut it

@@ -12,6 +12,7 @@ from reasonkv.harness.sweep.grid import Grid, GridError
 from reasonkv.harness.sweep.log import ResultsLog, done_keys, git_info
 from reasonkv.harness.sweep.pool import Pool, RayPool, SerialPool, dispatch
 from reasonkv.harness.sweep.units import Task, Unit, expand, make_tasks
+from reasonkv.util.runtime import env_threads
 
 
 @dataclass
@@ -65,8 +66,7 @@ def run_sweep(
     if workers < 1:
         raise GridError(f"workers must be at least 1, got {workers}")
     if threads is None:
-        env = os.environ.get("REASONKV_THREADS", "").strip()
-        threads = int(env) if env.isdigit() and int(env) > 0 else max(1, (os.cpu_count() or 1) // workers)
+        threads = env_threads() or max(1, (os.cpu_count() or 1) // workers)
     with ResultsLog(out) as log:
         the_plan = plan(grid, log.records, retry_errors)
         the_plan.dropped_tail, the_plan.unreadable = log.dropped_tail, log.unreadable

@@ -50,18 +50,21 @@ def replay_task(model, tokenizer, task: Task) -> list[dict]:
     """Replay the task's traces (one, or several as one batch) under its runs in one pass;
     one record per unit. Units a task does not hold (done before a resume) are not rerun
     unless the rectangle traces × runs needs them, and then not written again."""
+    from reasonkv.core.models import max_positions
     from reasonkv.harness.replay import STATE_PEAKS, ReplayRun, replay_batch
-    from reasonkv.harness.traces import replay_input
+    from reasonkv.harness.traces import check_replay_input, replay_input
 
     c = task.units[0].config
+    limit = max_positions(model.config)
     records: list[dict] = []
     inputs, input_of = [], {}
     for u in task.units:
         if u.item["id"] in input_of or any(r["key"] == u.key for r in records):
             continue
         try:
-            inp = replay_input(tokenizer, u.item, c["max_tokens"])
-        except Exception as err:  # a trace that cannot be replayed fails its units alone
+            inp = replay_input(tokenizer, u.item, c["max_tokens"], where=u.source)
+            check_replay_input(inp, limit, u.source)
+        except Exception as err:  # a trace that cannot be replayed (too short or long) fails alone
             records += [error_record(v, err) for v in task.units if v.item["id"] == u.item["id"]]
             continue
         input_of[u.item["id"]] = len(inputs)
