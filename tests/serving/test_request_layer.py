@@ -72,19 +72,27 @@ def test_request_layers_keep_what_the_cache_keeps(monkeypatch, method, budget, k
             layer_idx, budgets[layer_idx], policy, states, prompt_end=20, head_dim=16,
             dtype=torch.float32, device=torch.device("cpu"),
         )  # fmt: skip
-        keys = values = None
-        for new_k, new_v, query, positions, held, scaling in steps:
-            keys = new_k if keys is None else torch.cat([keys, new_k], dim=2)
-            values = new_v if values is None else torch.cat([values, new_v], dim=2)
-            slots = layer.step(query, positions, lambda with_values, k=keys, v=values: (k, v), scaling)
-            if slots is not None:
-                index = slots[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
-                keys, values = keys.gather(2, index), values.gather(2, index)
-                compressions += 1
-            mine = [sorted(row) for row in layer.token_index[0].tolist()]
-            assert mine == held, f"layer {layer_idx} after token {layer.seen}"
-        assert layer.length == keys.shape[2]
+        compressions += replay(layer, steps)
     assert compressions > 0, "the run never compressed: the comparison would prove nothing"
+
+
+def replay(layer: RequestLayer, steps: list) -> int:
+    """Feed a recorded layer's forwards to `layer` over a contiguous store that compacts to the
+    slots it returns, asserting after each that it holds what the HF cache held; compressions."""
+    keys = values = None
+    compressions = 0
+    for new_k, new_v, query, positions, held, scaling in steps:
+        keys = new_k if keys is None else torch.cat([keys, new_k], dim=2)
+        values = new_v if values is None else torch.cat([values, new_v], dim=2)
+        slots = layer.step(query, positions, lambda with_values, k=keys, v=values: (k, v), scaling)
+        if slots is not None:
+            index = slots[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
+            keys, values = keys.gather(2, index), values.gather(2, index)
+            compressions += 1
+        mine = [sorted(row) for row in layer.token_index[0].tolist()]
+        assert mine == held, f"layer {layer.layer_idx} after token {layer.seen}"
+    assert layer.length == keys.shape[2]
+    return compressions
 
 
 def test_a_head_allocator_is_refused() -> None:
@@ -117,15 +125,4 @@ def test_on_exact_ties_request_layers_keep_what_the_cache_keeps(monkeypatch, met
         layer_idx, cache.budgets[layer_idx], cache.policy, [None] * len(forwards), prompt_end=20, head_dim=16,
         dtype=torch.float32, device=torch.device("cpu"),
     )  # fmt: skip
-    keys = values = None
-    compressions = 0
-    for new_k, new_v, query, positions, held, scaling in steps:
-        keys = new_k if keys is None else torch.cat([keys, new_k], dim=2)
-        values = new_v if values is None else torch.cat([values, new_v], dim=2)
-        slots = layer.step(query, positions, lambda with_values, k=keys, v=values: (k, v), scaling)
-        if slots is not None:
-            index = slots[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
-            keys, values = keys.gather(2, index), values.gather(2, index)
-            compressions += 1
-        assert [sorted(row) for row in layer.token_index[0].tolist()] == held, f"after token {layer.seen}"
-    assert compressions > 0
+    assert replay(layer, steps) > 0
