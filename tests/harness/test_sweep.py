@@ -906,3 +906,25 @@ def test_a_bad_dtype_in_a_grid_file_is_one_line_before_anything_loads(tmp_path, 
     assert result.exit_code == 2 and "Traceback" not in message
     assert "[settings]: dtype must be auto, float32, bfloat16 or float16, got 'float64'" in message
     assert len(message.splitlines()) == 1 and not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_workers_thread_count_outlives_load_model_applying_reasonkv_threads(monkeypatch) -> None:
+    """load_model applies REASONKV_THREADS; a sweep worker's own count (--threads) must stay."""
+    from types import SimpleNamespace
+
+    from reasonkv.harness.sweep.pool import SweepWorker
+
+    monkeypatch.setenv("REASONKV_THREADS", "1")
+    before = torch.get_num_threads()
+    try:
+        worker = SweepWorker(threads=2)
+        tiny = (
+            "random:qwen3-0.6b:layers=1,hidden=64,intermediate=64,heads=2,kv_heads=1,head_dim=32,vocab=49152"
+        )
+        task = SimpleNamespace(
+            model_id=(tiny,), loader=None, model=tiny, attn="sdpa", device="cpu", dtype="float32"
+        )
+        worker._load(task)
+        assert worker.model is not None and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

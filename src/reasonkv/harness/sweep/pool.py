@@ -72,12 +72,15 @@ class SweepWorker:
         self.model = self.tokenizer = self.model_id = None
         gc.collect()  # free the previous model before the next one loads
         start = time.perf_counter()
+        threads = torch.get_num_threads()  # the sweep's count (--threads), which load_model's
+        # REASONKV_THREADS must not replace: it is set again after loading.
         # Every loader gets the grid's device and dtype (default cpu, float32), never its own
         # "auto": a sweep resumed on a GPU host must not append bf16 units under fp32 keys.
         with quiet_loading():
             model, tokenizer = resolve_loader(task.loader)(
                 task.model, attn_implementation=task.attn, device=task.device, dtype=resolve_dtype(task.dtype)
             )
+        torch.set_num_threads(threads)
         check_placement(model, task.device, task.dtype)
         self.model, self.tokenizer, self.model_id = model, tokenizer, task.model_id
         return time.perf_counter() - start
