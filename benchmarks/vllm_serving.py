@@ -189,7 +189,10 @@ def resumed(out: Path | None, settings: dict, order: list[str]) -> list[dict]:
 
 
 def save(out: Path, command: str, settings: dict, order: list[str], rows: list[dict]) -> None:
+    # Notes added to the record by hand (which code ran, why it stopped) survive a resume.
+    kept = json.loads(out.read_text()) if out.exists() else {}
     record = {
+        **kept,
         "command": command,
         "settings": settings,
         "order": order,

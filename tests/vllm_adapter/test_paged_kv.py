@@ -43,6 +43,7 @@ def test_read_returns_what_the_engine_wrote_and_write_round_trips(dtype, block_s
     assert torch.equal(read_k[0], keys.transpose(0, 1)) and torch.equal(read_v[0], values.transpose(0, 1))
     only_k, none = layout.read(cache, blocks, length, values=False)
     assert none is None and torch.equal(only_k, read_k)
+    assert torch.equal(layout.read_values(cache, blocks, length), read_v)
 
     # Compaction: keep every other slot of each head, written back to the first slots.
     kept = torch.arange(0, length, 2)

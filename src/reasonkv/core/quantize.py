@@ -46,10 +46,11 @@ RESIDUAL = 32
 """The most tokens the default residual keeps in full precision (see `default_residual`)."""
 
 GROUP_SIZE = 32
-"""The default group: keys per channel over 32 tokens, values per token over 32 channels. On the
-default model (head dim 64) group 32 with no residual had 14-16 % less KL than 16 with 32 at
-equal memory (docs/results.md, "Quantize, evict, or both"); KIVI's default is 32 too. It was 16,
-which the tests' head dim of 16 needs: they set it, and the published units of 16 spell it."""
+"""The default group: keys per channel over 32 tokens, values per token over 32 channels, as in
+KIVI. On the default model (head dim 64) group 32 with no residual had 14-16 % less KL than
+group 16 with a residual of 32 at equal memory (docs/results.md, "Quantize, evict, or both");
+group 32 with the default residual was not measured on its own. It was 16, which the tests' head
+dim of 16 needs: they set it, and the published units of 16 spell it."""
 
 
 def default_residual(budget: int | None) -> int:

@@ -87,7 +87,7 @@ register_preset(
         "evicting 1/16 at a time): the top-1 goal at SnapKV@128's memory; about 38 % slower to decode "
         "on one CPU thread (the rotations on every read); the head dim must be a power of two, 64 or more",
         "budget 671: KL 0.0354, top-1 0.943, peak K/V 5.60 MiB a sequence at 16-bit pricing "
-        "(7.92 MiB with everything beside the K/V, one trace)",
+        "(K/V alone: with what it holds beside them it is above SnapKV@128's state, results.md)",
         "docs/results/bytes-sweep-alone.jsonl",
         "examples/bytes/beaconkv-int4-basis-vg64-f16.toml",
         _QUANTIZE,
@@ -116,8 +116,9 @@ register_preset(
         "BeaconKV with its beacon buffers and query window as 8-bit codes, fed every step: about "
         "half of what it holds beside its K/V, no measured loss of fidelity",
         "budget 128: KL 0.2292, top-1 0.818, peak state 3.84 MiB a sequence; budget 256: KL 0.1206, "
-        "top-1 0.881, 6.83 MiB (alone, 16-bit pricing; BeaconKV at its defaults: 0.2274 and 0.1212 "
-        "at 4.85 and 7.85 MiB)",
+        "top-1 0.881, 6.83 MiB (the state: one sequence alone, 160 + 1,888 tokens, 16-bit pricing, "
+        "predicted by benchmarks/state_table.py, docs/performance-data/state-smollm2-8bit.json; "
+        "BeaconKV at its defaults: 0.2274 and 0.1212 at 4.85 and 7.85 MiB)",
         "docs/results/state-probe.jsonl",
         "examples/probes/beacon-bits-8.toml",
         "Every byte a sequence holds",

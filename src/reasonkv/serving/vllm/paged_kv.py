@@ -86,9 +86,13 @@ class TileLayout:
         key_half, value_half = split_cache(kv_cache)
         n = (length + self.block_size - 1) // self.block_size
         keys = self._read_half(key_half, blocks[:n], length, self.key_order, self.key_view)
-        if not values:
-            return keys, None
-        return keys, self._read_half(value_half, blocks[:n], length, self.value_order, self.value_view)
+        return keys, (self.read_values(kv_cache, blocks, length) if values else None)
+
+    def read_values(self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+        """The values alone, as `read` gives them (for a step that has read the keys already)."""
+        n = (length + self.block_size - 1) // self.block_size
+        value_half = split_cache(kv_cache)[1]
+        return self._read_half(value_half, blocks[:n], length, self.value_order, self.value_view)
 
     def _read_half(
         self, half: torch.Tensor, blocks: torch.Tensor, length: int, order: torch.Tensor, kind: str

@@ -155,8 +155,11 @@ class WorkerState:
             # Read at most once a layer and request, and only what a hook asks for; the defaults
             # bind this iteration's request (the closure runs inside step()).
             def read_kv(values: bool, rl=request_layer, blocks=blocks, read=read):
-                if "keys" not in read or (values and read["values"] is None):
+                if "keys" not in read:  # the length at the first read: what this step holds
+                    read["length"] = rl.length
                     read["keys"], read["values"] = layout.read(kv_cache, blocks, rl.length, values)
+                elif values and read["values"] is None:
+                    read["values"] = layout.read_values(kv_cache, blocks, read["length"])
                 return read["keys"], read["values"]
 
             q = query[start:end].transpose(0, 1)[None]  # [1, Hq, q, D]
