@@ -10,7 +10,7 @@ import pytest
 import torch
 import typer
 
-from cli_helpers import CharTokenizer, runner
+from cli_helpers import CharTokenizer, errors_of, runner
 from conftest import TEST_DEVICE, build_tiny_model
 from reasonkv.cli import analyze as analyze_cli
 from reasonkv.harness.analyze import (
@@ -324,6 +324,12 @@ def loader(monkeypatch):
         return build_tiny_model("llama"), CharTokenizer()
 
     monkeypatch.setattr(analyze_cli, "load_model", load)
+    # What is read before the weights: the tokenizer and the config (max_position_embeddings).
+    monkeypatch.setattr(
+        analyze_cli,
+        "load_tokenizer_and_config",
+        lambda name: (CharTokenizer(), build_tiny_model("llama").config),
+    )
     yield calls
     torch.set_num_threads(threads)
 
@@ -408,3 +414,19 @@ def test_highlighted_tokens_keep_multi_byte_characters_whole() -> None:
         "token": "t",
         "right": "\u2265",
     }
+
+
+def test_analyze_refuses_a_trace_past_the_models_positions_before_the_weights_load(
+    loader, tmp_path, monkeypatch
+) -> None:
+    config = build_tiny_model("llama").config
+    config.max_position_embeddings = 64
+    monkeypatch.setattr(analyze_cli, "load_tokenizer_and_config", lambda name: (CharTokenizer(), config))
+    traces = tmp_path / "t.jsonl"
+    traces.write_text(json.dumps(TRACE_ROW) + "\n")
+    args = ["analyze", "--traces", str(traces), "--model", "tiny", "--out", str(tmp_path / "r")]
+    result = runner.invoke(analyze_app(), [*args, "--max-tokens", "150"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    err = " ".join(errors_of(result).split())
+    assert f"t.jsonl:1 (trace {TRACE_ROW['id']!r})" in err and "64 positions" in err, err
+    assert loader == [], "the weights were loaded although the trace could not be analysed"

@@ -29,9 +29,9 @@ from reasonkv.cli.common import (
     progress_bar,
     split_list,
 )
-from reasonkv.core.models import DEFAULT_MODEL, load_model
+from reasonkv.core.models import DEFAULT_MODEL, load_model, load_tokenizer_and_config, max_positions
 from reasonkv.harness.analyze import RevisitRule, analyze_trace, default_distance, write_report
-from reasonkv.harness.traces import load_traces, replay_input
+from reasonkv.harness.traces import check_replay_input, load_traces_where, replay_input
 from reasonkv.methods.profiles import find_profile, load_profile
 from reasonkv.util.runtime import set_threads
 
@@ -112,28 +112,32 @@ def analyze_command(
             raise CliError("--stride and --window must be positive")
         if not 0.0 < needed_mass <= 1.0:
             raise CliError(f"--needed-mass must be in (0, 1], got {needed_mass}")
-        rows = load_traces(
+        rows = load_traces_where(
             traces, variant=None if variant == "all" else variant, ids=[trace_id] if trace_id else None
         )
         if not rows:
             raise CliError(f"{traces}: no traces of variant {variant!r}")
-        row = rows[0]
+        at, row = rows[0]
         # Checked now with a placeholder D, so a bad φ/σ/k fails before the model loads.
         RevisitRule(distance or 1, fraction, n_sink, top_k, persistent or None)
         where = check_device(device, dtype)
         set_threads()
+        # The trace is checked against the tokenizer and the model's positions (seconds) before
+        # the weights load (a minute), as replay does.
+        with loading_status(model_name, " (tokenizer, config)"):
+            tokenizer, config = load_tokenizer_and_config(model_name)
+        inp = check_replay_input(
+            replay_input(tokenizer, row, max_tokens, where=at), max_positions(config), at
+        )
         with loading_status(model_name):
-            model, tokenizer = load_model(model_name, **where)
+            model, _ = load_model(model_name, **where)
         n_layers = model.config.num_hidden_layers
         n_kv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
         if layer_list and max(layer_list) >= n_layers:
             raise CliError(f"--layers: the model has layers 0..{n_layers - 1}, got {layers}")
         if head_list and max(head_list) >= n_kv:
             raise CliError(f"--heads: the model has KV heads 0..{n_kv - 1}, got {heads}")
-        inp = replay_input(tokenizer, row, max_tokens)
         n = int(inp.input_ids.shape[1])
-        if n - inp.prompt_len < 2:
-            raise CliError(f"trace {row['id']} is too short to analyse (under 2 trace tokens)")
         rule = RevisitRule(distance or default_distance(n), fraction, n_sink, top_k, persistent or None)
         check_runs_build(model, runs)
     except (CliError, ValueError, FileNotFoundError) as err:
