@@ -102,3 +102,12 @@ def test_the_markdown_has_a_row_per_method_per_shared_knob_and_per_preset() -> N
     preset_rows = [line.split("`")[1] for line in presets.splitlines() if line.startswith("| `")]
     assert preset_rows == list(PRESETS)
     assert "(results.md#quantize-evict-or-both)" in presets
+
+
+def test_a_knob_two_parts_read_shows_one_range_the_tightest() -> None:
+    """PyramidKV's window is read by its scorer (>= 1) and its allocator (>= 0): >= 1 holds."""
+    from reasonkv.cli.methods_list import compact_rule
+    from reasonkv.methods.registry import get_method
+
+    assert compact_rule(get_method("pyramidkv"), "window") == "(>=1)"
+    assert compact_rule(get_method("snapkv"), "kernel") == "[1,1024]"

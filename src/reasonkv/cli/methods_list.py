@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from reasonkv.cli.common import console
-from reasonkv.core.policy.knob import MAX_TOKENS
+from reasonkv.core.policy.knob import MAX_TOKENS, Bounds
 from reasonkv.core.quantize import STORAGE_KNOBS, KVFormat
 from reasonkv.methods.knobs import knob_bounds, literal_choices
 from reasonkv.methods.presets import PRESETS, Preset
@@ -41,13 +41,18 @@ def compact_rule(spec: MethodSpec, name: str) -> str:
     choices = literal_choices(spec, name)
     if choices is not None:
         return "{" + "|".join(map(str, choices)) + "}"
-    rules = []
+    # A knob two parts read (PyramidKV's window: the scorer's >= 1, the allocator's >= 0) must
+    # satisfy both: one range, the tightest of each bound.
+    tightest: dict[str, float] = {}
     for bounds in knob_bounds(spec, name):
-        if bounds.le == MAX_TOKENS:  # a token count: its upper bound is only a sanity limit
-            bounds = dataclasses.replace(bounds, le=None)
-        rule = bounds.describe().replace(" ", "")
-        rules.append("" if rule == "anyvalue" else rule[2:] if rule.startswith("in") else f"({rule})")
-    return ",".join(r for r in dict.fromkeys(rules) if r)
+        for side, pick in (("ge", max), ("gt", max), ("le", min), ("lt", min)):
+            value = getattr(bounds, side)
+            if value is not None:
+                tightest[side] = value if side not in tightest else pick(tightest[side], value)
+    if tightest.get("le") == MAX_TOKENS:  # a token count: its upper bound is only a sanity limit
+        del tightest["le"]
+    rule = Bounds(**tightest).describe().replace(" ", "")
+    return "" if rule == "anyvalue" else rule[2:] if rule.startswith("in") else f"({rule})"
 
 
 def _storage_defaults() -> dict[str, object]:
