@@ -195,3 +195,17 @@ def test_evict_one_drops_what_select_tokens_drops(seed: int) -> None:
         torch.ones(1, 1, dtype=torch.bool),
     )
     assert none.tolist() == [[[4]]]
+
+
+def test_protected_tokens_beyond_keep_all_survive_and_outrank_a_scorers_inf() -> None:
+    """One head, 8 tokens, keep 3: tokens 0-4 are protected (a prompt of 5 under protect_prompt)
+    and token 7 scores +inf (H2O's recent share). All 5 protected stay, nothing else: before,
+    keep cut them to 3 and the scorer's inf tied with them, so the prompt lost its front."""
+    index = torch.arange(8).view(1, 1, 8)
+    scores = torch.tensor([[[0.1, 0.2, 0.3, 0.4, 0.5, 0.9, 0.8, float("inf")]]])
+    protected = protected_mask(index, 0, 0, torch.tensor([5]))
+    slots, new_len = select_tokens(scores, index, torch.tensor([[3]]), protected)
+    assert slots.tolist() == [[[0, 1, 2, 3, 4]]] and new_len.tolist() == [[5]]
+    # Room for one more: the scorer's inf takes it, ahead of the best finite score.
+    slots, _ = select_tokens(scores, index, torch.tensor([[6]]), protected)
+    assert slots.tolist() == [[[0, 1, 2, 3, 4, 7]]]

@@ -392,8 +392,9 @@ class CompressedCache(Cache):
 
     def live_token_bound(self) -> int | None:
         """The most real tokens any head can hold after a step (None = unbounded). With
-        protect_prompt the whole prompt is kept on top of the budget, so the bound grows by
-        the longest prompt once the cache has seen it; so it does, by what the prompt exceeds
+        protect_prompt the whole prompt is kept even past the budget (with the recent window
+        beside it), so the bound grows by the longest prompt once the cache has seen it; so it
+        does, by what the prompt exceeds
         the budget, under a schedule that counts from the prompt's end (phase=decode)."""
         if self.policy.head_allocator is not None:
             return None

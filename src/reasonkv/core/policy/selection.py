@@ -37,15 +37,24 @@ def select_tokens(
     scores [B, H, T] (higher = keep), token_index [B, H, T], keep [B, H] tokens to keep per
     head, protected [B, H, T]. Returns (slots [B, H, K] sorted ascending, padded with T where a
     head keeps fewer than K = max(keep)), and new_lengths [B, H].
-    Padding/empty slots are never kept; protected slots always are (the caller guarantees
-    keep >= number protected). Equal scores are broken in favour of the newer token.
+    Padding/empty slots are never kept; protected slots always are: a head whose protected
+    tokens outnumber `keep` (protect_prompt with a prompt longer than the budget) keeps those
+    and nothing else, so the prompt is not cut from its front. Equal scores are broken in favour
+    of the newer token.
     """
     valid = token_index != EMPTY
     n_valid = valid.sum(-1)
-    new_len = torch.minimum(keep.to(n_valid.dtype), n_valid)
+    new_len = torch.minimum(torch.maximum(keep.to(n_valid.dtype), (protected & valid).sum(-1)), n_valid)
     k = int(new_len.max()) if new_len.numel() else 0
     t = scores.shape[-1]
-    s = scores.float().masked_fill(~valid, float("-inf")).masked_fill(protected, float("inf"))
+    # A scorer's own +inf (H2O's recent share) ranks just below protection's, never beside it.
+    finite_max = torch.finfo(torch.float32).max
+    s = (
+        scores.float()
+        .clamp(max=finite_max)
+        .masked_fill(~valid, float("-inf"))
+        .masked_fill(protected, float("inf"))
+    )
     # Ties (max-pooling makes plateaus) go to the newer token, deterministically: a stable
     # sort over the reversed slot axis. topk's tie order is unspecified and would let float
     # noise or a different slot count (batch padding) change which token survives.
