@@ -572,3 +572,22 @@ def test_all_layers_fed_in_one_pass_equal_each_layer_fed_alone(monkeypatch, upke
         sg, sa = lg.states.scorer, la.states.scorer
         assert torch.equal(sg.count, sa.count)
         torch.testing.assert_close(sg.beacons, sa.beacons, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("protect_prompt", [False, True])
+def test_prefix_protection_keeps_the_whole_prompt_or_only_the_sinks(protect_prompt: bool) -> None:
+    """The paper's "prefix tokens are always kept", two readings (the ablation): with
+    protect_prompt every one of the 30 prompt tokens survives 60 steps at budget 24 in every layer
+    and head; without it only the 4 sinks are sure to, and eviction takes some of the rest."""
+    model = tiny_model("llama", "sdpa", 2)
+    cache = make_cache(model, "beaconkv", 24, protect_prompt=protect_prompt)
+    greedy_loop(model, random_prompt(30, seed=9), cache, 60)
+    assert cache.events
+    for layer in cache.layers:
+        for head in kept_tokens(layer, 0):
+            prompt_kept = {i for i in head if i < 30}
+            assert set(range(4)) <= prompt_kept
+            if protect_prompt:
+                assert prompt_kept == set(range(30))
+            else:
+                assert len(prompt_kept) < 30

@@ -24,6 +24,7 @@ def test_no_entry_is_off_and_an_entry_is_checked() -> None:
         ({"method": "snapkv", "budget": 64, "kv_bits": 4}, "quantized storage"),
         ({"method": "snapkv", "budget": 64, "low_budget": 32}, "two-tier"),
         ({"method": "full", "budget": 64}, "never evicts"),
+        ({"method": "beaconkv-all-queries", "budget": 64}, "not serving"),
         ({"method": "snapkv", "budget": 64, "windw": 8}, "unknown parameter(s) windw"),
         ({"method": "nope", "budget": 64}, "unknown method 'nope'"),
         ({"budget": 64}, 'needs "method"'),

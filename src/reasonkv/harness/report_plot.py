@@ -40,6 +40,7 @@ METHOD_STYLES: dict[str, dict] = {
     # ours: blues, teals and purples, thick lines
     "beaconkv": {"color": "#1f77b4", "marker": "o"},
     "reasonalloc-beaconkv": {"color": "#4eb3d3", "marker": "s"},
+    "beaconkv-all-queries": {"color": "#9ecae1", "marker": "*"},  # its ablation
     "reasonalloc-rkv": {"color": "#08306b", "marker": "D"},
     "reasonalloc-snapkv": {"color": "#6a3d9a", "marker": "p"},
     "reasonalloc-layer-rkv": {"color": "#00897b", "marker": "^"},

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from reasonkv.core.policy import (
+    AllQueriesScorer,
     BeaconKVScorer,
     H2OScorer,
     InitialRecentScorer,
@@ -255,6 +256,19 @@ register(
         "score keys (max over them and the GQA group); sinks + recent kept; at B_max evict fraction·B_max",
         "BeaconKV's Initial+Recent comparator (Table 3), Kim et al. 2026, arXiv:2609.04971",
         InitialRecentScorer,
+        MaxMinThreshold,
+        defaults={"n_sink": 4, "n_recent": 16},
+    )
+)
+register(
+    MethodSpec(
+        "beaconkv-all-queries",
+        "BeaconKV's offline alternatives (ablation only): every admitted query held, the scoring set "
+        "picked from all of them at each compression (selection: naive FPS, or K-means centroids), "
+        "rotated to the current position, with the recent queries (max over them and the GQA group); "
+        "sinks + recent kept; at B_max evict fraction·B_max",
+        "BeaconKV's Figure 7 alternatives to continual FPS, Kim et al. 2026, arXiv:2609.04971",
+        AllQueriesScorer,
         MaxMinThreshold,
         defaults={"n_sink": 4, "n_recent": 16},
     )

@@ -2,6 +2,7 @@
 
 from reasonkv.core.policy.base import EMPTY, Observation
 from reasonkv.core.policy.contract import HeadAllocator, LayerView, PolicyState, Scorer, SplitRequest
+from reasonkv.core.policy.scorers.all_queries import AllQueriesScorer
 from reasonkv.core.policy.scorers.beacon import BeaconKVScorer
 from reasonkv.core.policy.scorers.h2o import H2OScorer
 from reasonkv.core.policy.scorers.initial_recent import InitialRecentScorer
@@ -15,6 +16,7 @@ from reasonkv.core.policy.scorers.tova import TOVAScorer
 from reasonkv.core.policy.selection import protected_mask, select_tokens
 
 __all__ = [
+    "AllQueriesScorer",
     "BeaconKVScorer",
     "EMPTY",
     "H2OScorer",

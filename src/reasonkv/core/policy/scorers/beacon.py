@@ -54,11 +54,14 @@ def _units(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True).clamp(min=1e-12)
 
 
-def farthest_point_sample(points: torch.Tensor, m: int, seed: torch.Tensor | int) -> torch.Tensor:
+def farthest_point_sample(
+    points: torch.Tensor, m: int, seed: torch.Tensor | int, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """Greedy FPS with cosine distance: points [..., N, D] -> [..., m] chosen indices, ascending.
 
     Starts from `seed` (an index, or [...] indices), then repeatedly adds the point whose
-    distance to its nearest chosen point is largest (ties: the lowest index).
+    distance to its nearest chosen point is largest (ties: the lowest index). With `valid`
+    [..., N] only those points are candidates; a row with fewer than m ends in index N.
     """
     n = points.shape[-2]
     u = _units(points.float())
@@ -67,6 +70,8 @@ def farthest_point_sample(points: torch.Tensor, m: int, seed: torch.Tensor | int
     # rounding), so once chosen its nearest-chosen distance is -1: argmax never picks it
     # again and no separate "chosen" mask has to be kept in the loop.
     dist.diagonal(dim1=-2, dim2=-1).fill_(-1.0)
+    if valid is not None:  # an invalid point looks chosen from the start, and is never counted
+        dist = dist.masked_fill(~valid[..., None, :], -1.0)
     seed = torch.as_tensor(seed, device=points.device).expand(points.shape[:-2])[..., None]  # [..., 1]
 
     def row(i: torch.Tensor) -> torch.Tensor:  # dist[..., i, :]
@@ -76,6 +81,8 @@ def farthest_point_sample(points: torch.Tensor, m: int, seed: torch.Tensor | int
     for _ in range(min(m, n) - 1):
         nearest = torch.minimum(nearest, row(nearest.argmax(-1, keepdim=True)))
     chosen = nearest < -0.5
+    if valid is not None:
+        chosen = chosen & valid
     slots = torch.arange(n, device=points.device).expand_as(chosen)
     return torch.where(chosen, slots, n).sort(dim=-1).values[..., : min(m, n)]
 
@@ -363,8 +370,10 @@ class BeaconKVScorer(Scorer):
             points = decode_vectors(*encode_vectors(points, members[0].scale.dtype))
         if len(members) == 1:
             beacons, count = members[0].points(), members[0].count
-        else:
-            beacons = torch.cat([m.points() for m in members])
+        else:  # buffers that grow (an ablation's) may differ in length: pad to the longest
+            held = [m.points() for m in members]
+            longest = max(p.shape[2] for p in held)
+            beacons = torch.cat([F.pad(p, (0, 0, 0, longest - p.shape[2])) for p in held])
             count = torch.cat([m.count for m in members])
         beacons, count = self._admit(beacons, count, points, valid)
         rows = members[0].count.shape[0]
@@ -383,6 +392,11 @@ class BeaconKVScorer(Scorer):
         return add_points(beacons, count, points, valid, self.beacon_min)
 
     # ------------------------------------------------------------------ scoring
+    def _scoring_points(self, st: BeaconState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The points that score [B, X, M, D] and how many each buffer has: the held beacons
+        (an ablation that holds every past query picks its set from them here)."""
+        return st.points(), st.count
+
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         st: BeaconState | None = obs.scorer_state
         if st is not None:
@@ -393,7 +407,7 @@ class BeaconKVScorer(Scorer):
         parts = [probs.reshape(b, h, g * w, t)]
         n_points = (obs.query_valid.sum(-1) * g)[:, None].expand(b, h)
         if st is not None and bool(st.count.any()):
-            beacons, count = st.points(), st.count  # [B, X, M, D], X = H or H*G
+            beacons, count = self._scoring_points(st)  # [B, X, M, D], X = H or H*G
             positions = obs.query_positions if obs.query_positions is not None else obs.query_index
             now = torch.where(obs.query_valid, positions, -1).amax(-1).clamp(min=0)  # newest query's position
             rotated = apply_rope(
