@@ -7,25 +7,25 @@ of them at each compression, instead of keeping a bounded buffer by continual FP
 - `selection="kmeans"`: `beacon_min` K-means centroids of all held queries (Euclidean Lloyd
   iterations from those FPS points, so it is deterministic; an empty cluster keeps its centre).
 
-Everything else is BeaconKV's (`BeaconKVScorer`): the feed (`beacon_feed`, `beacon_scope`), the
-rotation to the current position, the `recent` queries, the aggregation and the schedule. The
-buffers grow with the sequence (that is the paper's point: equal accuracy at more memory, which
-the state meter counts), and scoring costs an N x N distance matrix a head: use it on one trace
-at a time. Where the paper is silent: no duplicate skipping (every admitted query is held), and
-the number of Lloyd iterations (`kmeans_iters`, 10).
+Everything else is BeaconKV's (`BeaconKVScorer`, through `InitialRecentScorer`): the feed
+(`beacon_feed`, `beacon_scope`), the rotation to the current position, the `recent` queries, the
+aggregation and the schedule. The buffers grow with the sequence (that is the paper's point:
+equal accuracy at more memory, which the state meter counts), and scoring costs an N x N
+distance matrix a head: use it on one trace at a time. Where the paper is silent: no duplicate
+skipping (every admitted query is held), and the number of Lloyd iterations (`kmeans_iters`, 10).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from reasonkv.core.policy.knob import knob
-from reasonkv.core.policy.scorers.beacon import BeaconKVScorer, BeaconState, farthest_point_sample
-from reasonkv.core.policy.scorers.initial_recent import keep_first_points
+from reasonkv.core.policy.scorers.beacon import BeaconState, farthest_point_sample
+from reasonkv.core.policy.scorers.initial_recent import InitialRecentScorer, keep_first_points
 
 
 def kmeans_centroids(
@@ -46,21 +46,18 @@ def kmeans_centroids(
 
 
 @dataclass
-class AllQueriesScorer(BeaconKVScorer):
-    beacon_max: int = field(init=False, repr=False)
-    """Not a knob: the buffers hold every admitted query (`beacon_min` is the scoring set's size)."""
+class AllQueriesScorer(InitialRecentScorer):
+    """Initial+Recent's buffers (every admitted query in arrival order, never replaced) without
+    their bound; `beacon_min` is the size of the set picked from them, `beacon_max` no knob."""
+
     selection: Literal["fps", "kmeans"] = "fps"
     kmeans_iters: int = knob(10, ge=1, le=100)
 
     def __post_init__(self) -> None:
-        self.beacon_max = 0  # the buffers start empty and grow
         if self.selection not in ("fps", "kmeans"):
             raise ValueError(f"selection must be 'fps' or 'kmeans', got {self.selection!r}")
         super().__post_init__()
-
-    def _check_sizes(self) -> None:
-        if self.beacon_min < 1:
-            raise ValueError(f"beacon_min must be at least 1, got {self.beacon_min}")
+        self.beacon_max = 0  # the buffers start empty and grow
 
     def _admit(
         self, beacons: torch.Tensor, count: torch.Tensor, points: torch.Tensor, valid: torch.Tensor
