@@ -393,9 +393,9 @@ class CompressedCache(Cache):
     def live_token_bound(self) -> int | None:
         """The most real tokens any head can hold after a step (None = unbounded). With
         protect_prompt the whole prompt is kept even past the budget (with the recent window
-        beside it), so the bound grows by the longest prompt once the cache has seen it; so it
-        does, by what the prompt exceeds
-        the budget, under a schedule that counts from the prompt's end (phase=decode)."""
+        beside it), so the bound grows by the longest prompt once the cache has seen it. Under
+        a schedule that counts from the prompt's end (phase=decode) it grows by what the prompt
+        exceeds the budget."""
         if self.policy.head_allocator is not None:
             return None
         tops = [layer.plan.trigger_max for layer in self.layers]

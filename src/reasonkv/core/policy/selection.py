@@ -36,7 +36,7 @@ def select_tokens(
 
     scores [B, H, T] (higher = keep), token_index [B, H, T], keep [B, H] tokens to keep per
     head, protected [B, H, T]. Returns (slots [B, H, K] sorted ascending, padded with T where a
-    head keeps fewer than K = max(keep)), and new_lengths [B, H].
+    head keeps fewer than K = max(new_lengths)), and new_lengths [B, H].
     Padding/empty slots are never kept; protected slots always are: a head whose protected
     tokens outnumber `keep` (protect_prompt with a prompt longer than the budget) keeps those
     and nothing else, so the prompt is not cut from its front. Equal scores are broken in favour
