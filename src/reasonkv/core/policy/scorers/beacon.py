@@ -373,7 +373,9 @@ class BeaconKVScorer(Scorer):
         else:  # buffers that grow (an ablation's) may differ in length: pad to the longest
             held = [m.points() for m in members]
             longest = max(p.shape[2] for p in held)
-            beacons = torch.cat([F.pad(p, (0, 0, 0, longest - p.shape[2])) for p in held])
+            if any(p.shape[2] != longest for p in held):  # BeaconKV's never: no extra copy
+                held = [F.pad(p, (0, 0, 0, longest - p.shape[2])) for p in held]
+            beacons = torch.cat(held)
             count = torch.cat([m.count for m in members])
         beacons, count = self._admit(beacons, count, points, valid)
         rows = members[0].count.shape[0]
