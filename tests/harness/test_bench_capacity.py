@@ -124,6 +124,7 @@ def test_predicted_decode_peak_is_a_replay_alone(method: str) -> None:
         ("quant-int4", {"group_size": 16}, "quantized to 4 bits"),  # the tiny head dim: 16
         ("snapkv", {"protect_prompt": True}, "keeps the whole prompt"),
         ("snapkv", {"low_budget": 32, "group_size": 16}, "low tier of 32 tokens"),
+        ("beaconkv-all-queries", {}, "buffers grow with the sequence"),
     ],
 )
 def test_a_schedule_the_prediction_cannot_follow_is_named(method: str, knobs: dict, reason: str) -> None:

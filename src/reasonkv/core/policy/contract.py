@@ -122,6 +122,10 @@ class Scorer:
     step_reads_keys: ClassVar[bool] = True
     """Whether `on_step` reads `keys`. An engine whose K/V are not at hand (vLLM's paged cache)
     reads them for `on_step` only when this is true, and passes None otherwise."""
+    state_grows: ClassVar[bool] = False
+    """Whether this scorer's own memory grows with the sequence instead of being bounded by its
+    settings (an ablation's unbounded buffers): no fixed-memory engine (vLLM) can host it, and
+    no planner can predict its peak from one step."""
 
     def new_state(self, view: LayerView) -> PolicyState | None:
         """This scorer's memory for one layer (None = it needs none); made at the layer's first forward."""

@@ -130,10 +130,12 @@ def unpredictable(cache: CompressedCache, compresses: bool) -> str | None:
             return "its heads have different budgets within a layer"
     if policy.schedule.from_prompt_end:
         return "it compresses on a count of decode steps, so its peak depends on the prompt (phase=decode)"
+    if policy.scorer.state_grows:
+        return "its scorer's buffers grow with the sequence (an ablation that holds every past query)"
     if policy.head_allocator is not None:
         return "it re-splits the budget between heads at every compression"
     if policy.protect_prompt:
-        return "it keeps the whole prompt on top of its budget"
+        return "it keeps the whole prompt, even past its budget"
     fmt = policy.kv_format
     if fmt is not None and fmt.quantized:
         return f"its K/V are quantized to {fmt.kv_bits} bits"

@@ -19,7 +19,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from reasonkv.core.policy import AllQueriesScorer
 from reasonkv.core.policy.allocators import UniformAllocator
 from reasonkv.methods.knobs import KnobError, check_budget, check_knobs
 from reasonkv.methods.registry import get_method
@@ -52,10 +51,10 @@ def unsupported(method: str, knobs: dict[str, Any]) -> str | None:
             f"{method!r} moves the budget between KV heads, and vLLM's block table holds one length "
             "for every head of a layer: use its base method (e.g. snapkv instead of adakv-snapkv)"
         )
-    if spec.scorer is AllQueriesScorer:
+    if spec.scorer.state_grows:
         return (
-            f"{method!r} is an ablation whose buffers hold every past query (they grow with the "
-            "sequence): it is for trace replay, not serving; use beaconkv"
+            f"{method!r} is an ablation whose buffers grow with the sequence (they hold every past "
+            "query): it is for trace replay, not serving; use beaconkv"
         )
     merged = {**spec.defaults, **knobs}
     if int(merged.get("kv_bits", 16)) < 16 or int(merged.get("low_budget", 0)) > 0:

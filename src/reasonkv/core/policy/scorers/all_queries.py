@@ -18,7 +18,7 @@ skipping (every admitted query is held), and the number of Lloyd iterations (`km
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,7 @@ class AllQueriesScorer(InitialRecentScorer):
     """Initial+Recent's buffers (every admitted query in arrival order, never replaced) without
     their bound; `beacon_min` is the size of the set picked from them, `beacon_max` no knob."""
 
+    state_grows: ClassVar[bool] = True
     selection: Literal["fps", "kmeans"] = "fps"
     kmeans_iters: int = knob(10, ge=1, le=100)
 
