@@ -90,8 +90,9 @@ def bound_checker(prompt_len: int):
         """Live tokens per head never above the method's bound (with a head allocator: per
         layer; live_token_bound counts a protected prompt itself)."""
         live = cache.memory()["live_tokens"]
-        # A kept prompt sits on top of the budget, and so does the whole prompt until the first
-        # compression of a schedule that counts from the prompt's end (phase=decode).
+        # A kept prompt stays whole even past the budget (every protected token is kept), and so
+        # does the whole prompt until the first compression of a schedule that counts from the
+        # prompt's end (phase=decode): the bound allows the prompt beside the budget either way.
         keeps_prompt = cache.policy.protect_prompt or cache.policy.schedule.from_prompt_end
         extra = prompt_len if keeps_prompt else 0
         bound = cache.live_token_bound()

@@ -397,7 +397,9 @@ class CompressedLayer(CacheLayerMixin):
         if hole_slots and room:
             # An every-step schedule's usual step: each head drops at most one token, and the
             # holes still fit. Find it by argmin instead of ranking every token.
-            drop = (storage.n_valid - keep).clamp(min=0)
+            # Every protected token stays even past `keep` (select_tokens' rule), so a head whose
+            # protected tokens outnumber its budget drops only what is unprotected past them.
+            drop = (storage.n_valid - torch.maximum(keep, protected.sum(-1))).clamp(min=0)
             most_dropped, longest = torch.stack([drop.max(), (storage.n_valid - drop).max()]).tolist()
             if most_dropped <= 1 and storage.used - longest <= hole_slots:
                 victim = evict_one(scores, index, protected, drop > 0)

@@ -239,11 +239,11 @@ def check_storage_pays(
     model of these layers' `plans` and `shape` (KV heads, head dim).
 
     Not checked where the tokens a head holds are not the budget's to say: a schedule that
-    never compresses (full, quant-int*, RPC's), or one that keeps the prompt on top of the
-    budget (protect_prompt, phase=decode). Where the split between heads is decided as the
-    cache runs (a head allocator), the shortest head, which decides what is quantized, holds
-    no more than the mean, so "never quantizes" is as sure; the peak is estimated with equal
-    heads and must save `HEAD_SPLIT_MARGIN`."""
+    never compresses (full, quant-int*, RPC's), or one that keeps the whole prompt even past
+    the budget (protect_prompt) or until a count of decode steps (phase=decode). Where the
+    split between heads is decided as the cache runs (a head allocator), the shortest head,
+    which decides what is quantized, holds no more than the mean, so "never quantizes" is as
+    sure; the peak is estimated with equal heads and must save `HEAD_SPLIT_MARGIN`."""
     fmt = parts.storage
     if not fmt.quantized or parts.schedule.from_prompt_end or parts.protection["protect_prompt"]:
         return

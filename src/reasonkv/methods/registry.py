@@ -37,7 +37,7 @@ from reasonkv.methods.presets import PRESETS, Preset
 PROTECTION_KNOBS = {
     "n_sink": "first real tokens always kept (attention sinks)",
     "n_recent": "newest tokens always kept",
-    "protect_prompt": "keep the whole prompt",
+    "protect_prompt": "keep the whole prompt (counted in the budget; kept whole even past it)",
 }
 PROTECTION_BOUNDS = {"n_sink": Bounds(ge=0, le=MAX_TOKENS), "n_recent": Bounds(ge=0, le=MAX_TOKENS)}
 """The protection knobs' ranges (protect_prompt is true or false)."""
