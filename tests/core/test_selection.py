@@ -209,3 +209,9 @@ def test_protected_tokens_beyond_keep_all_survive_and_outrank_a_scorers_inf() ->
     # Room for one more: the scorer's inf takes it, ahead of the best finite score.
     slots, _ = select_tokens(scores, index, torch.tensor([[6]]), protected)
     assert slots.tolist() == [[[0, 1, 2, 3, 4, 7]]]
+    # Two scorer infs (6 and 7), room for one: the newer (7) takes it and all 5 protected stay.
+    # Had the infs tied with protection, the newest-first tie-break would rank 7, 6 above the
+    # prompt and keep 6 would drop protected token 0: [1, 2, 3, 4, 6, 7].
+    scores[0, 0, 6] = float("inf")
+    slots, new_len = select_tokens(scores, index, torch.tensor([[6]]), protected)
+    assert slots.tolist() == [[[0, 1, 2, 3, 4, 7]]] and new_len.tolist() == [[6]]
