@@ -16,6 +16,8 @@ loaded in bf16 (`alone_peak_state_bytes_16bit`; tensors that stay fp32 by design
 accumulated attention, at their 4 bytes).
 
     python scripts/alone_peaks.py docs/results/replay-sweep-peak.jsonl --out alone-peaks.json
+    python scripts/alone_peaks.py docs/results/report-set.jsonl docs/results/beacon-ablations.jsonl \
+        --out docs/results/beacon-ablations-alone.json
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ from reasonkv.methods.api import make_cache
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("results", type=Path)
+    p.add_argument("results", type=Path, nargs="+", help="sweep JSONL files (mixed freely)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     args = p.parse_args()
     model, _ = load_model(args.model, device="cpu", dtype="float32")
     half, _ = load_model(args.model, device="cpu", dtype="bfloat16")
     per_slot = slot_bytes(model)  # fp32, as the sweep ran; at 16 bits: half
-    records, _ = load_records([args.results])
+    records, _ = load_records(args.results)
     groups: dict[tuple, list] = defaultdict(list)
     states: dict[tuple, int] = {}
     for r in records:
@@ -94,7 +96,9 @@ def main() -> None:
         )
     if args.out is not None:
         args.out.write_text(
-            json.dumps({"source": str(args.results), "per_slot_bytes": per_slot, "rows": rows}, indent=1)
+            json.dumps(
+                {"source": [str(p) for p in args.results], "per_slot_bytes": per_slot, "rows": rows}, indent=1
+            )
         )
 
 

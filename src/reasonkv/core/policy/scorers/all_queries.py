@@ -45,6 +45,10 @@ def kmeans_centroids(
     return centres
 
 
+GROWTH = 64
+"""Slots the all-queries buffers grow by at a time."""
+
+
 @dataclass
 class AllQueriesScorer(InitialRecentScorer):
     """Initial+Recent's buffers (every admitted query in arrival order, never replaced) without
@@ -63,10 +67,13 @@ class AllQueriesScorer(InitialRecentScorer):
     def _admit(
         self, beacons: torch.Tensor, count: torch.Tensor, points: torch.Tensor, valid: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append every valid point, in arrival order (the buffers grow to the longest row)."""
+        """Append every valid point, in arrival order. The buffers grow to hold the longest row,
+        in steps of GROWTH slots (a copy per step, not per feed; the state meter counts the
+        empty slots too: they are held)."""
         b, x, m, d = beacons.shape
-        grown = max(int((count + valid.sum(-1)).max()), m)
-        if grown > m:
+        need = int((count + valid.sum(-1)).max())
+        if need > m:
+            grown = -(-need // GROWTH) * GROWTH
             beacons = torch.cat([beacons, beacons.new_zeros(b, x, grown - m, d)], dim=2)
         return keep_first_points(beacons, count, points, valid)
 

@@ -50,6 +50,13 @@ DUPLICATE_EPS = 1e-5
 """Cosine distance at or below which a point counts as identical (fp32 rounding of 0)."""
 
 
+FPS_ROWS_ON_DEMAND_ABOVE = 256
+"""Above this many points, farthest-point sampling computes only the m distance rows it visits,
+not the N x N matrix: the all-queries ablation's N grows with the sequence (a 2K-token trace's
+matrix is 4.5 GB on the default model). BeaconKV's own buffers stay far below it, so its FPS
+runs exactly as before (one matrix product; the two differ in the last bits of a distance)."""
+
+
 def _units(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True).clamp(min=1e-12)
 
@@ -65,17 +72,26 @@ def farthest_point_sample(
     """
     n = points.shape[-2]
     u = _units(points.float())
-    dist = 1.0 - u @ u.transpose(-1, -2)  # [..., N, N]
+    seed = torch.as_tensor(seed, device=points.device).expand(points.shape[:-2])[..., None]  # [..., 1]
     # A point's distance to itself is set below any real one (cosine distances are >= 0 up to
     # rounding), so once chosen its nearest-chosen distance is -1: argmax never picks it
-    # again and no separate "chosen" mask has to be kept in the loop.
-    dist.diagonal(dim1=-2, dim2=-1).fill_(-1.0)
-    if valid is not None:  # an invalid point looks chosen from the start, and is never counted
-        dist = dist.masked_fill(~valid[..., None, :], -1.0)
-    seed = torch.as_tensor(seed, device=points.device).expand(points.shape[:-2])[..., None]  # [..., 1]
+    # again and no separate "chosen" mask has to be kept in the loop. An invalid point looks
+    # chosen from the start, and is never counted.
+    if n > FPS_ROWS_ON_DEMAND_ABOVE:
 
-    def row(i: torch.Tensor) -> torch.Tensor:  # dist[..., i, :]
-        return dist.gather(-2, i[..., None].expand(*i.shape[:-1], 1, n)).squeeze(-2)
+        def row(i: torch.Tensor) -> torch.Tensor:  # the distances of point i, computed now
+            ui = u.gather(-2, i[..., None].expand(*i.shape[:-1], 1, u.shape[-1]))  # [..., 1, D]
+            r = (1.0 - ui @ u.transpose(-1, -2)).squeeze(-2).scatter(-1, i, -1.0)
+            return r if valid is None else r.masked_fill(~valid, -1.0)
+
+    else:
+        dist = 1.0 - u @ u.transpose(-1, -2)  # [..., N, N]
+        dist.diagonal(dim1=-2, dim2=-1).fill_(-1.0)
+        if valid is not None:
+            dist = dist.masked_fill(~valid[..., None, :], -1.0)
+
+        def row(i: torch.Tensor) -> torch.Tensor:  # dist[..., i, :]
+            return dist.gather(-2, i[..., None].expand(*i.shape[:-1], 1, n)).squeeze(-2)
 
     nearest = row(seed)
     for _ in range(min(m, n) - 1):
