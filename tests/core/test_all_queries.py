@@ -4,11 +4,13 @@ method runs end to end and is metered."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from beacon_helpers import default_inv_freq, stream
-from conftest import dynamic_cache, greedy_loop, random_prompt, tiny_model
+from conftest import TEST_DEVICE, dynamic_cache, greedy_loop, random_prompt, tiny_model
 from reasonkv import get_method, make_cache
 from reasonkv.core.policy import AllQueriesScorer, BeaconKVScorer
 from reasonkv.core.policy.scorers.beacon import farthest_point_sample
@@ -115,3 +117,63 @@ def test_the_method_end_to_end_and_its_knobs() -> None:
         make_cache(model, "beaconkv-all-queries", 64, selection="median")
     with pytest.raises(ValueError, match="beacon_max"):
         make_cache(model, "beaconkv-all-queries", 64, beacon_max=32)
+
+
+def naive_fps(points: list[list[float]], m: int) -> list[int]:
+    """Naive FPS written out, the ablation's selection: cosine distance, seeded with the newest
+    point, then the point farthest from its nearest chosen one (the lowest index on ties); the
+    chosen indices in ascending order."""
+    norms = [math.sqrt(sum(x * x for x in p)) or 1e-12 for p in points]
+
+    def dist(i: int, j: int) -> float:
+        return 1.0 - sum(a * b for a, b in zip(points[i], points[j], strict=True)) / (norms[i] * norms[j])
+
+    n = len(points)
+    chosen = [n - 1]
+    nearest = [dist(i, n - 1) for i in range(n)]
+    while len(chosen) < min(m, n):
+        best = max((i for i in range(n) if i not in chosen), key=lambda i: (nearest[i], -i))
+        chosen.append(best)
+        nearest = [min(d, dist(i, best)) for i, d in enumerate(nearest)]
+    return sorted(chosen)
+
+
+def test_fps_inside_an_evicting_cache_scores_with_naive_fps_over_every_held_query(monkeypatch) -> None:
+    """End to end with selection="fps" (the default) at a budget that evicts: at every compression
+    each query head's buffer holds every generated query that has left the recent window, and
+    the scoring set is exactly naive FPS over all of them (the loop reference above), for every
+    row and query head; a bounded buffer, or another seed or distance, picks other points. The
+    80 tokens of a row are distinct and fed one a forward: a repeated token repeats layer 0's
+    pre-RoPE query, and FPS ties between identical directions are broken by fp32 rounding."""
+    model = tiny_model("llama", "sdpa", 2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(127, generator=g)[:80] + 1 for _ in range(2)]).to(TEST_DEVICE)
+    cache = make_cache(model, "beaconkv-all-queries", 24)
+    scorer = cache.policy.scorer
+    assert scorer.selection == "fps"
+    calls = []
+    scoring_points = AllQueriesScorer._scoring_points
+    fed = 20  # tokens fed once the forward in progress ends
+
+    def spy(self, st):
+        points, picked = scoring_points(self, st)
+        calls.append((fed, st.points().clone(), st.count.clone(), points, picked))
+        return points, picked
+
+    monkeypatch.setattr(AllQueriesScorer, "_scoring_points", spy)
+    with torch.no_grad():
+        model(input_ids=ids[:, :fed], cache=cache)
+        for fed in range(21, 81):
+            model(input_ids=ids[:, fed - 1 : fed], cache=cache)
+    assert int(cache.layers[0].n_valid.max()) <= 24 and cache.events
+    assert len(calls) >= 20
+    b, x = 2, model.config.num_attention_heads
+    for seen, held, count, points, picked in calls:
+        left = seen - scorer.recent - 20  # generated queries out of the recent window
+        assert count.tolist() == [[left] * x] * b
+        assert picked.tolist() == [[min(left, scorer.beacon_min)] * x] * b
+        for r in range(b):
+            for h in range(x):
+                ref = naive_fps(held[r, h, :left].tolist(), scorer.beacon_min)
+                assert torch.equal(points[r, h, : len(ref)], held[r, h, ref]), (seen, r, h, ref)
+    assert max(c[0] for c in calls) - scorer.recent - 20 > 2 * scorer.beacon_min  # FPS really chose
