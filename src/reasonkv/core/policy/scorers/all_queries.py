@@ -10,9 +10,15 @@ of them at each compression, instead of keeping a bounded buffer by continual FP
 Everything else is BeaconKV's (`BeaconKVScorer`, through `InitialRecentScorer`): the feed
 (`beacon_feed`, `beacon_scope`), the rotation to the current position, the `recent` queries, the
 aggregation and the schedule. The buffers grow with the sequence (that is the paper's point:
-equal accuracy at more memory, which the state meter counts), and scoring costs an N x N
-distance matrix a head: use it on one trace at a time. Where the paper is silent: no duplicate
-skipping (every admitted query is held), and the number of Lloyd iterations (`kmeans_iters`, 10).
+equal accuracy at more memory, which the state meter counts), and each compression's FPS reads
+all N held queries of every head (its distance rows computed as visited past 256 points).
+
+Where the paper is silent: no duplicate skipping (every admitted query is held), and the number
+of Lloyd iterations (`kmeans_iters`, 10). Held duplicates (a repeated token repeats the first
+layer's pre-RoPE query) make FPS ties between identical directions, which fp32 rounding breaks,
+not always towards the older point. A K-means centroid averages queries of differing directions, so it
+is shorter than its members and scores with flatter attention than a held query would (kept: the
+paper compares with "K-means centroids"; FPS picks real queries).
 """
 
 from __future__ import annotations
