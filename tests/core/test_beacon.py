@@ -200,7 +200,10 @@ FEEDS = [
 
 
 @pytest.mark.parametrize(("scope", "feed", "upkeep_every"), FEEDS)
-def test_queries_enter_the_buffer_when_they_leave_the_recent_window(scope, feed, upkeep_every) -> None:
+@pytest.mark.parametrize(("recent", "b_max", "b_min"), [(5, 10, 4), (1, 10, 5)], ids=["5+4", "1+5"])
+def test_queries_enter_the_buffer_when_they_leave_the_recent_window(
+    scope, feed, upkeep_every, recent: int, b_max: int, b_min: int
+) -> None:
     """Steps of several sizes (a left-padded prefill, single decode steps, a chunk) driven as the
     cache drives them: on_step sees the step's queries with the previous window untouched, then
     the cache's own window update keeps the newest `recent` queries and `query_backlog` before
@@ -208,10 +211,16 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window(scope, feed,
     exactly as a one-buffer-at-a-time reference says: each query head's own queries into its own
     buffer ("query_head"), or the group's G heads as G points per KV head ("kv_head"); under
     "generated" prompt queries never enter, under "no_sinks" the first 3 positions never do.
-    Whether they are fed at once or queued and flushed in batches (`upkeep_every`) changes nothing."""
+    Whether they are fed at once or queued and flushed in batches (`upkeep_every`) changes nothing.
+    "1+5" is the paper's 1 recent + 31 beacons split (buffer 62 -> 31) in miniature."""
     rotary = LlamaRotaryEmbedding(rope_config("yarn"))
     scorer = BeaconKVScorer(
-        beacon_max=10, beacon_min=4, recent=5, upkeep_every=upkeep_every, beacon_scope=scope, beacon_feed=feed
+        beacon_max=b_max,
+        beacon_min=b_min,
+        recent=recent,
+        upkeep_every=upkeep_every,
+        beacon_scope=scope,
+        beacon_feed=feed,
     )
     b, h, grp = 2, 2, 2
     gen = torch.Generator().manual_seed(5)
@@ -226,7 +235,7 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window(scope, feed,
     )
     state = group[0] = scorer.new_state(view)
     buffers = h * grp if scope == "query_head" else h
-    refs = [[ReferenceBuffer(10, 4) for _ in range(buffers)] for _ in range(b)]
+    refs = [[ReferenceBuffer(b_max, b_min) for _ in range(buffers)] for _ in range(b)]
     prompt_len = 12
     history: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pre-RoPE [B, Hq, D], index [B]) per query
     pads = [0, 3]
@@ -261,8 +270,8 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window(scope, feed,
         window.keep(post, index, positions, keep)  # the cache's update
         history += [(pre[:, :, i], index[:, i], positions[:, i]) for i in range(q)]
         seen += q
-        leaving = history[: len(history) - 5]
-        history = history[len(history) - 5 :]
+        leaving = history[: len(history) - recent]
+        history = history[len(history) - recent :]
         for vec, idx, pos in leaving:
             for r in range(b):
                 if (
@@ -274,7 +283,7 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window(scope, feed,
                 for head in range(h * grp):  # query heads in order; a KV head's G heads are adjacent
                     refs[r][head if scope == "query_head" else head // grp].add(vec[r, head].tolist())
         assert window.queries.shape[2] == min(seen, keep)
-        assert torch.equal(window.query_index[:, -5:], torch.stack([i for _, i, _ in history], 1))
+        assert torch.equal(window.query_index[:, -recent:], torch.stack([i for _, i, _ in history], 1))
         assert state.pending <= upkeep_every
         if step_no % 3 != 2 and step_no != len(sizes) - 1:
             continue  # let the queue build up across steps before reading the buffers
@@ -291,7 +300,7 @@ def test_queries_enter_the_buffer_when_they_leave_the_recent_window(scope, feed,
                         atol=1e-4,
                         rtol=1e-4,
                     )
-    assert int(state.count.max()) < 10
+    assert int(state.count.max()) < b_max
 
 
 # ----------------------------------------------------------------------------- scorer
