@@ -4,7 +4,8 @@ For each JSON file `reasonkv bench --out` wrote: a line on what ran (model, its 
 versions, wall time), a summary with one row per run (speed over the first and last window,
 K/V bytes at the longest length, the cache's peak K/V, scoring share, top-1 agreement; ratios
 to the full cache), and one row per run at each length mark (tok/s over the window that ends
-there, K/V bytes there).
+there, K/V bytes there), then the cache's own work per decode step by section (the scorer's
+`on_step` and `score`, the selection with its compaction), in ms.
 
     python benchmarks/bench_table.py out/bench.json > out/bench.md
 """
@@ -64,6 +65,20 @@ def length_rows(record: dict) -> list[list[str]]:
             window = _window_ending_at(r, mark["tokens"])
             cells.append(f"{window['tokens_per_second']:.1f} tok/s · {format_bytes(mark['kv_bytes'])}")
         rows.append(cells)
+    return rows
+
+
+def section_rows(record: dict) -> list[list[str]]:
+    """Milliseconds per decode step: the whole step, then the cache's timed sections (the
+    prefill's are in them too, once per run)."""
+    rows = []
+    for r in record["runs"]:
+        steps = max(r["steps"], 1)
+        ms = {name: 1e3 * v["seconds"] / steps for name, v in r.get("sections", {}).items()}
+        scoring = sum(ms.get(n, 0.0) for n in ("score", "on_step", "split"))
+        cells = [f"{1e3 * r['decode_seconds'] / steps:.1f}", f"{scoring:.2f}"]
+        cells += [f"{ms.get(n, 0.0):.2f}" for n in ("on_step", "score", "compress")]
+        rows.append([r["label"], *cells])
     return rows
 
 
@@ -132,6 +147,9 @@ def markdown(record: dict, source: str = "") -> str:
     lines += _table(header + ["score+select", "top-1"], summary_rows(record))
     lines += ["", "tok/s over the window ending at each length, and K/V bytes there:", ""]
     lines += _table(["run", *(str(n) for n in lengths)], length_rows(record))
+    lines += ["", "The cache's own work, ms per decode step (scoring = on_step + score + split):", ""]
+    header = ["run", "step", "scoring", "on_step", "score", "selection (compress)"]
+    lines += _table(header, section_rows(record))
     return "\n".join(lines) + "\n"
 
 

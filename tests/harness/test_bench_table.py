@@ -47,3 +47,21 @@ def test_a_batch_capacity_record_gets_its_own_table() -> None:
     # The numbers of docs/performance.md's batch-capacity table.
     assert "| full | 191.8 MiB | 191.8 MiB | 1 | 191.8 MiB | 16.4 | 1.00 |" in text
     assert "| snapkv@512 | 29.1 MiB | 29.1 MiB | 8 | 232.5 MiB | 78.2 | 4.78 |" in text
+
+
+def test_the_section_table_is_ms_per_decode_step() -> None:
+    """A run of 4 decode steps in 0.2 s whose scorer took 10 ms in score and 2 ms in on_step,
+    and whose compress took 6 ms: 50 ms a step, scoring 3 ms of it."""
+    record = json.loads(RECORD.read_text())
+    run = record["runs"][0] | {
+        "label": "hand@8",
+        "steps": 4,
+        "decode_seconds": 0.2,
+        "sections": {
+            "score": {"seconds": 0.010, "calls": 1},
+            "on_step": {"seconds": 0.002, "calls": 4},
+            "compress": {"seconds": 0.006, "calls": 1},
+        },
+    }
+    text = bench_table().markdown(record | {"runs": [run]})
+    assert "| hand@8 | 50.0 | 3.00 | 0.50 | 2.50 | 1.50 |" in text
