@@ -533,6 +533,23 @@ def test_beaconkv_padded_batch_equals_rows_alone() -> None:
             torch.testing.assert_close(sb.beacons[r], sa.beacons[0], atol=1e-4, rtol=1e-4)
 
 
+def assert_same_kept_slots_and_buffers(grouped: CompressedCache, alone: CompressedCache) -> None:
+    """Same kept slots in every layer, and once every queue is fed, the same buffers: the held
+    beacons of each row and head (a buffer may be longer than what it holds)."""
+    for lg, la in zip(grouped.layers, alone.layers, strict=True):
+        assert torch.equal(lg.token_index, la.token_index)
+    for c in (grouped, alone):
+        for lay in c.layers:
+            c.policy.scorer.flush(lay.states.scorer, c.policy.rope_inv_freq, c.policy.rope_attention_scaling)
+    for lg, la in zip(grouped.layers, alone.layers, strict=True):
+        sg, sa = lg.states.scorer, la.states.scorer
+        assert torch.equal(sg.count, sa.count)
+        for r in range(sg.count.shape[0]):
+            for h in range(sg.count.shape[1]):
+                n = int(sg.count[r, h])
+                torch.testing.assert_close(sg.beacons[r, h, :n], sa.beacons[r, h, :n], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("upkeep_every", [4, 32])
 def test_all_layers_fed_in_one_pass_equal_each_layer_fed_alone(monkeypatch, upkeep_every: int) -> None:
     """Inside a cache the layers' queues are fed together (buffers stacked); a cache whose layers
@@ -574,15 +591,7 @@ def test_all_layers_fed_in_one_pass_equal_each_layer_fed_alone(monkeypatch, upke
     for lay in grouped.layers:
         assert lay.states.scorer.pending <= upkeep_every
     assert len(grouped.events) > 20
-    for lg, la in zip(grouped.layers, alone.layers, strict=True):
-        assert torch.equal(lg.token_index, la.token_index)
-    for c in (grouped, alone):
-        for lay in c.layers:
-            c.policy.scorer.flush(lay.states.scorer, c.policy.rope_inv_freq, c.policy.rope_attention_scaling)
-    for lg, la in zip(grouped.layers, alone.layers, strict=True):
-        sg, sa = lg.states.scorer, la.states.scorer
-        assert torch.equal(sg.count, sa.count)
-        torch.testing.assert_close(sg.beacons, sa.beacons, atol=1e-5, rtol=1e-5)
+    assert_same_kept_slots_and_buffers(grouped, alone)
 
 
 def per_layer_cache(model, method: str, budgets: list[int], **knobs) -> CompressedCache:
@@ -651,18 +660,7 @@ def test_unequal_queues_and_buffers_fed_in_one_pass_equal_each_layer_fed_alone(
     buffers_differ = any(len(set(buffers)) > 1 for buffers, _ in stacked)
     assert buffers_differ == (method == "beaconkv-all-queries")  # BeaconKV's buffers never differ
     assert len(grouped.events) > 15
-    for lg, la in zip(grouped.layers, alone.layers, strict=True):
-        assert torch.equal(lg.token_index, la.token_index)
-    for c in (grouped, alone):
-        for lay in c.layers:
-            c.policy.scorer.flush(lay.states.scorer, c.policy.rope_inv_freq, c.policy.rope_attention_scaling)
-    for lg, la in zip(grouped.layers, alone.layers, strict=True):
-        sg, sa = lg.states.scorer, la.states.scorer
-        assert torch.equal(sg.count, sa.count)
-        for r in range(sg.count.shape[0]):
-            for h in range(sg.count.shape[1]):
-                n = int(sg.count[r, h])
-                torch.testing.assert_close(sg.beacons[r, h, :n], sa.beacons[r, h, :n], atol=1e-5, rtol=1e-5)
+    assert_same_kept_slots_and_buffers(grouped, alone)
 
 
 @pytest.mark.parametrize("protect_prompt", [False, True])

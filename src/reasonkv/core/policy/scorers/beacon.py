@@ -16,6 +16,13 @@ head's score is the max over its group:
 averages over all those points instead). Sinks and recent tokens are protected by the
 cache; the schedule is the max/min threshold (at B_max evict B_max/8).
 
+Defaults, each the paper's stated choice (docs/results.md, "The BeaconKV paper's ablations", has
+the sentence each follows and what the report traces say of it): `beacon_max=32`,
+`beacon_min=16`, `recent=16` ("beacon budget at most 32, at least 16; 16 recent queries");
+`aggregation="max"`; beacons rotated to the current step, recent queries at their own positions;
+the method's threshold schedule evicts B_max/8 at B_max; "prefix tokens and the most recent few
+tokens are always kept" read as 4 sinks + 16 recent tokens (`protect_prompt=False`).
+
 `beacon_scope="kv_head"` keeps one buffer per KV head fed by its G query heads (each head's
 vector is a point), for the ablation. `beacon_feed` says which queries may become beacons:
 all, only generated ones, or all but the first `n_sink` positions (the position-0 query is an
