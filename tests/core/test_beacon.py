@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from beacon_helpers import stream
 from conftest import (
     TEST_DEVICE,
     build_tiny_model,
@@ -412,6 +413,43 @@ def test_beacon_scores_and_kept_tokens_match_the_loop_reference(aggregation: str
             rest = sorted((j for j in real if j not in forced), key=lambda j: (-float(ref[r, kv, j]), -j))
             expected = sorted(forced + rest[: int(keep[r, kv]) - len(forced)])
             assert [s for s in slots[r, kv].tolist() if s < 14] == expected
+
+
+@pytest.mark.parametrize(("aggregation", "third"), [("max", 3), ("mean", 6)])
+def test_max_keeps_one_query_s_strong_read_where_mean_keeps_a_shared_weak_one(
+    aggregation: str, third: int
+) -> None:
+    """The paper's max-vs-mean argument on hand-made queries. One head, D=8, RoPE with zero
+    frequencies. Keys: token 0 = 8·e0 (a sink), token 3 = 8·e1 ("A"), token 6 = 8·e2 ("B"), the
+    rest zero. The 20 older generated queries (the beacons) are e3 plus noise outside the keys'
+    span: they spread evenly, 1/12 on every token, A and B alike. The 4 recent ones: one 4·e1,
+    which puts ≈1 on A; three e2, which put e^√8/(e^√8 + 11) ≈ 0.606 on B and ≈ 0.036 on A.
+    Keeping the sink, the 2 newest tokens and one more: max keeps A (≈1 > 0.606); mean keeps B
+    (three points of 0.606 outweigh one of 1)."""
+    d, t, e = 8, 12, torch.eye(8)
+    queries = torch.cat([e[3].expand(24, d), 4 * e[1][None], e[2].expand(3, d)])
+    queries[4:24, 4:] += 0.1 * torch.randn(20, 4, generator=torch.Generator().manual_seed(3))
+    keys = torch.zeros(1, 1, t, d)
+    keys[0, 0, 0], keys[0, 0, 3], keys[0, 0, 6] = 8 * e[0], 8 * e[1], 8 * e[2]
+    token_index = torch.arange(t).expand(1, 1, t)
+    scorer = BeaconKVScorer(recent=4, aggregation=aggregation)
+    *_, (_, state, window) = stream(
+        scorer, queries[None, None], (4,) + (1,) * 24, pads=(0,), prompt_len=4, kv_heads=1,
+        inv_freq=torch.zeros(d // 2),
+    )  # fmt: skip
+    assert int(state.count[0, 0]) >= 16  # the older queries are beacons
+    obs = Observation(
+        window.queries[:, :, -4:],
+        window.query_index[:, -4:],
+        token_index,
+        d**-0.5,
+        query_positions=window.query_positions[:, -4:],
+        rope_inv_freq=torch.zeros(d // 2),
+        scorer_state=state,
+    )
+    scores = scorer.score(obs, keys, keys)
+    slots, _ = select_tokens(scores, token_index, torch.tensor([[4]]), protected_mask(token_index, 1, 2))
+    assert sorted(s for s in slots[0, 0].tolist() if s < t) == [0, third, 10, 11]
 
 
 def test_beacons_change_the_choice_and_pooling_is_optional() -> None:

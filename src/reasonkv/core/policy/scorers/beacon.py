@@ -21,7 +21,11 @@ the sentence each follows and what the report traces say of it): `beacon_max=32`
 `beacon_min=16`, `recent=16` ("beacon budget at most 32, at least 16; 16 recent queries");
 `aggregation="max"`; beacons rotated to the current step, recent queries at their own positions;
 the method's threshold schedule evicts B_max/8 at B_max; "prefix tokens and the most recent few
-tokens are always kept" read as 4 sinks + 16 recent tokens (`protect_prompt=False`).
+tokens are always kept" read as 4 sinks + 16 recent tokens (`protect_prompt=False`);
+`beacon_scope="query_head"` ("every attention head keeps a bounded buffer"). Ours, where the
+paper says only "historical pre-RoPE queries": `beacon_feed="generated"` (chosen on the tuning
+traces: never worse there than feeding the prompt's queries too); `upkeep_every=8` (batches the
+feed; the buffers hold the same points).
 
 `beacon_scope="kv_head"` keeps one buffer per KV head fed by its G query heads (each head's
 vector is a point), for the ablation. `beacon_feed` says which queries may become beacons:
