@@ -28,7 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from reasonkv.core.models import load_model
-from reasonkv.harness.bench.capacity import peak_kv_slots, peak_state_bytes, slot_bytes
+from reasonkv.harness.bench.capacity import alone_peaks, peak_kv_slots, slot_bytes
 from reasonkv.harness.report import load_records
 from reasonkv.methods.api import make_cache
 
@@ -59,11 +59,7 @@ def main() -> None:
             groups[key].append((None, m.get("decode_peak_kv_bytes"), str(err), None))
             continue
         if (key, prompt, n) not in states:
-
-            def fresh(c: dict = c, knobs: dict = knobs):
-                return make_cache(half, c["method"], c["budget"], **knobs)
-
-            states[key, prompt, n] = peak_state_bytes(half, fresh(), fresh(), prompt, n, decode_only=True)[0]
+            states[key, prompt, n] = alone_peaks(half, c["method"], c["budget"], knobs, prompt, n).state
         groups[key].append((slots * per_slot, m.get("decode_peak_kv_bytes"), None, states[key, prompt, n]))
     rows = []
     for (method, budget, knobs), units in sorted(groups.items()):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import N_LAYERS, build_tiny_model, greedy_loop, random_prompt, tiny_model
+from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.harness import bench
 from reasonkv.methods.api import make_cache
 
@@ -259,3 +260,34 @@ def test_the_predicted_state_peak_is_the_meters(method: str, knobs: dict, prompt
     cache = fresh()
     greedy_loop(model, random_prompt(prompt, 5), cache, 40)
     assert cache.kv_meter.peak_state == per_sequence + per_cache
+
+
+@pytest.mark.parametrize(
+    ("method", "knobs"),
+    [("h2o", {}), ("snapkv", KNOBS), ("beaconkv", {}), ("beaconkv", {"beacon_bits": 8, "upkeep_every": 1})],
+    ids=["h2o", "snapkv", "beaconkv", "beaconkv-8bit"],
+)
+def test_the_predicted_beside_peak_is_the_meters(monkeypatch, method: str, knobs: dict) -> None:
+    """The most one sequence holds beside its K/V at once (what `bytes_plot.py --state` adds to a
+    quantized unit's metered K/V) is the meter's largest beside count over a prompt past the
+    trigger and 40 tokens, byte for byte; and it is at least peak state less peak K/V."""
+    model = build_tiny_model("llama")
+    most = []
+    count = MemoryMeter.hold_beside
+
+    def hold_beside(meter, owner, n_bytes, n_bytes_16bit):
+        count(meter, owner, n_bytes, n_bytes_16bit)
+        most.append(meter.beside)
+
+    monkeypatch.setattr(MemoryMeter, "hold_beside", hold_beside)
+
+    def fresh():
+        return make_cache(model, method, 24, **knobs)
+
+    per_sequence, per_cache = bench.peak_beside_bytes(model, fresh(), fresh(), 40, 40)
+    state, _ = bench.peak_state_bytes(model, fresh(), fresh(), 40, 40)
+    most.clear()
+    cache = fresh()
+    greedy_loop(model, random_prompt(40, 5), cache, 40)
+    assert max(most) == per_sequence + per_cache
+    assert per_sequence >= state - bench.peak_kv_slots(fresh(), 40, 40) * bench.slot_bytes(model)

@@ -84,10 +84,11 @@ register_preset(
             "fraction": 0.0625,
         },
         "BeaconKV storing what it keeps at 4 bits (keys before RoPE, Hadamard basis, the sink exact, "
-        "evicting 1/16 at a time): the top-1 goal at SnapKV@128's memory; about 38 % slower to decode "
+        "evicting 1/16 at a time): the top-1 goal at SnapKV@128's K/V memory; about 38 % slower to decode "
         "on one CPU thread (the rotations on every read); the head dim must be a power of two, 64 or more",
-        "budget 671: KL 0.0354, top-1 0.943, peak K/V 5.60 MiB a sequence at 16-bit pricing "
-        "(K/V alone: with what it holds beside them it is above SnapKV@128's state, results.md)",
+        "budget 671: KL 0.0354, top-1 0.943, peak K/V 5.60 MiB and peak state 7.92 MiB a sequence at "
+        "16-bit pricing (above SnapKV@128's 6.26 MiB of state); on the report set, each trace alone: "
+        "KL 0.0478, top-1 0.929",
         "docs/results/bytes-sweep-alone.jsonl",
         "examples/bytes/beaconkv-int4-basis-vg64-f16.toml",
         _QUANTIZE,
@@ -101,7 +102,9 @@ register_preset(
         {"kv_bits": 4, "group_size": 32, "residual": 0, "fp_sinks": 1},
         "H2O storing what it keeps at 4 bits, group 32, no residual, the sink exact (no change of "
         "basis to pay for on every read)",
-        "budget 640: KL 0.0385, top-1 0.932, peak K/V 5.82 MiB a sequence at 16-bit pricing",
+        "budget 640: KL 0.0385, top-1 0.932, peak K/V 5.82 MiB and peak state about 6.5 MiB a "
+        "sequence at 16-bit pricing; on the report set, each trace alone: KL 0.0474, top-1 0.923 at "
+        "6.42 MiB of state",
         "docs/results/bytes-sweep-alone.jsonl",
         "examples/bytes/goal-level-sinks.toml",
         _QUANTIZE,

@@ -214,6 +214,33 @@ def peak_state_bytes(
     and what the cache holds whatever its batch: (per sequence, per cache). `cache` and `fresh`
     are two new caches of the method (the second is fed a token to read its shapes). A
     ValueError says why it cannot be predicted."""
+    layers, beside, own = _state_schedule(model, cache, fresh, prompt, n, compresses)
+    return peak_held(layers, n, 1 if decode_only else 0, slot_bytes(model), beside), own
+
+
+def peak_beside_bytes(
+    model,
+    cache: CompressedCache,
+    fresh: CompressedCache,
+    prompt: int,
+    n: int,
+    *,
+    compresses: bool = True,
+    decode_only: bool = False,
+) -> tuple[int, int]:
+    """The most bytes one sequence holds beside its K/V at once (slot indices, query windows,
+    per-token scores, policy state), on the schedule `peak_state_bytes` follows, and what the
+    cache holds whatever its batch: (per sequence, per cache). Its peak need not fall at the
+    step of the K/V's peak, so the two peaks added bound the peak state from above. A
+    ValueError says why it cannot be predicted."""
+    layers, beside, own = _state_schedule(model, cache, fresh, prompt, n, compresses)
+    return peak_held(layers, n, 1 if decode_only else 0, 0, beside), own
+
+
+def _state_schedule(
+    model, cache: CompressedCache, fresh: CompressedCache, prompt: int, n: int, compresses: bool
+) -> tuple[list[Allocations], list[Callable[[int, int], int]], int]:
+    """Each layer's reallocations and bytes beside K/V (see `peak_held`), and the cache's own."""
     reason = unpredictable(cache, compresses)
     if reason is not None:
         raise ValueError(f"cannot predict the peak state of {cache.method} from its schedule: {reason}")
@@ -221,8 +248,7 @@ def peak_state_bytes(
     keys = [(x.plan.trigger_max, min(x.plan.targets), x.plan.hole_slots) for x in cache.layers]
     stepped = {key: layer_allocations(prompt, n, *key) for key in set(keys)}
     layers = [stepped[key] for key in keys]
-    beside = [shape.beside(i, prompt) for i in range(len(layers))]
-    return peak_held(layers, n, 1 if decode_only else 0, slot_bytes(model), beside), shape.own
+    return layers, [shape.beside(i, prompt) for i in range(len(layers))], shape.own
 
 
 def slot_bytes(model) -> int:
@@ -230,6 +256,35 @@ def slot_bytes(model) -> int:
     shape = model_shape(model)
     dtype = next(model.parameters()).dtype
     return 2 * shape.n_kv_heads * shape.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class AlonePeaks:
+    """Predicted peaks of one sequence alone, in bytes as the model's dtype holds them: its K/V,
+    everything it holds (K/V and all beside it), the most it holds beside K/V at once (which
+    need not fall at the K/V's peak), and what the cache holds whatever its batch (`own`)."""
+
+    kv: int
+    state: int
+    beside: int
+    own: int
+
+
+def alone_peaks(
+    model, method: str, budget: int | None, knobs: dict, prompt: int, n: int, *, decode_only: bool = True
+) -> AlonePeaks:
+    """`AlonePeaks` of `method` at `budget` with `knobs` on `model`, one sequence of `prompt`
+    tokens decoding `n` more (`decode_only`: after the prompt's forward, as replay's decode
+    peaks). A ValueError says why the schedule cannot be followed (see `unpredictable`)."""
+
+    def fresh() -> CompressedCache:
+        return make_cache(model, method, budget, **knobs)
+
+    how = {"compresses": not is_reference(method), "decode_only": decode_only}
+    kv = peak_kv_slots(fresh(), prompt, n, **how) * slot_bytes(model)
+    state, own = peak_state_bytes(model, fresh(), fresh(), prompt, n, **how)
+    beside, _ = peak_beside_bytes(model, fresh(), fresh(), prompt, n, **how)
+    return AlonePeaks(kv, state, beside, own)
 
 
 def capacity_batch(memory: int, per_sequence: int, max_batch: int = MAX_BATCH) -> int:
