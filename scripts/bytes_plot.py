@@ -47,14 +47,10 @@ from pathlib import Path
 
 import torch
 
-from reasonkv.core.low_tier import LowTier
-from reasonkv.core.memory_meter import MemoryMeter
-from reasonkv.core.models import load_model, model_shape
-from reasonkv.core.quantize import STORAGE_KNOBS, KVFormat
-from reasonkv.harness.bench.capacity import alone_peaks
+from reasonkv.core.models import load_model
+from reasonkv.core.quantize import KVFormat
+from reasonkv.harness.bench.capacity import alone_peaks, at_16_bits, storage_extra
 from reasonkv.harness.report import load_records, summarize_results
-from reasonkv.methods.knobs import storage_knobs
-from reasonkv.methods.registry import get_method
 from reasonkv.util.plotting import pyplot, save_figure
 
 MIB = 2**20
@@ -157,41 +153,6 @@ class BesidePredictor:
         """The unit's state bound (`BOUND`) at 16 bits, or None (no 16-bit K/V peak recorded)."""
         kv = unit["metrics"].get("decode_peak_kv_bytes_16bit")
         return None if kv is None else kv + self.beside(unit)
-
-
-def storage_format(method: str, knobs: dict) -> KVFormat:
-    """The storage format of `method` with `knobs` (its defaults under them)."""
-    spec = get_method(method)
-    mine = storage_knobs(spec)
-    mine.update((k, v) for k, v in knobs.items() if k in mine)
-    return spec.storage(**mine)
-
-
-def at_16_bits(method: str, knobs: dict) -> dict:
-    """`knobs` with every storage knob removed: K/V at 16 bits, no low tier (quant-int* store
-    below 16 by default, so kv_bits=16 is set for them)."""
-    plain = {k: v for k, v in knobs.items() if k not in STORAGE_KNOBS}
-    if storage_format(method, {}).kv_bits != 16:
-        plain["kv_bits"] = 16
-    return plain
-
-
-def storage_extra(model: torch.nn.Module, method: str, knobs: dict) -> int:
-    """Bytes the storage of `knobs` holds beside K/V, one sequence, that 16-bit storage without a
-    low tier does not (`QuantizedKVStorage.beside_tensors`, `LowTier.beside_tensors`), per layer:
-    pre_rope's position offset (an int64) and whether it held (a bool); fp_sinks' sequence
-    indices (an int64 a head a sink); a low tier's index and score a slot, counted full
-    (`low_budget` a head). Quantized storage's slot indices follow the layer's schedule, as
-    16-bit storage's do."""
-    fmt, shape = storage_format(method, knobs), model_shape(model)
-    per_layer = 0
-    if fmt.quantized:
-        per_layer += (8 + 1) * fmt.pre_rope + 8 * shape.n_kv_heads * fmt.fp_sinks
-    if fmt.low_budget:
-        tier = LowTier(1, 1, torch.device("cpu"), KVFormat(low_budget=1), MemoryMeter())
-        per_slot = tier.token_index.element_size() + tier.scores.element_size()
-        per_layer += fmt.low_budget * shape.n_kv_heads * per_slot
-    return per_layer * shape.n_layers
 
 
 def state_rows(path: Path, predictor: BesidePredictor) -> list[float | None]:

@@ -10,6 +10,7 @@ import torch
 from conftest import N_LAYERS, build_tiny_model, greedy_loop, random_prompt, tiny_model
 from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.harness import bench
+from reasonkv.harness.bench.capacity import at_16_bits, storage_extra
 from reasonkv.methods.api import make_cache
 
 PROMPT = 10
@@ -291,3 +292,41 @@ def test_the_predicted_beside_peak_is_the_meters(monkeypatch, method: str, knobs
     greedy_loop(model, random_prompt(40, 5), cache, 40)
     assert max(most) == per_sequence + per_cache
     assert per_sequence >= state - bench.peak_kv_slots(fresh(), 40, 40) * bench.slot_bytes(model)
+
+
+@pytest.mark.parametrize(
+    "storage",
+    [
+        {"kv_bits": 4, "group_size": 8, "residual": 4},
+        {"kv_bits": 4, "group_size": 8, "residual": 0, "fp_sinks": 1, "pre_rope": True, "hadamard": True},
+        {"low_budget": 16, "low_bits": 4, "group_size": 16},
+    ],
+    ids=["4-bit", "4-bit-sink-prerope-hadamard", "two-tier"],
+)
+@pytest.mark.parametrize("method", ["h2o", "beaconkv"])
+def test_a_low_bit_cache_holds_beside_its_kv_at_most_its_16_bit_twin_and_the_storage_extra(
+    monkeypatch, method: str, storage: dict
+) -> None:
+    """The bound `scripts/bytes_plot.py --state` puts on a low-bit unit's state rests on this: at
+    every count, what a low-bit cache holds beside its K/V is at most the predicted beside peak of
+    the same method with the storage knobs removed plus `storage_extra` (for quantized storage
+    exactly that at its peak: it holds what the 16-bit schedule holds, plus the extra)."""
+    model = build_tiny_model("llama", num_hidden_layers=8)  # one layer read dequantized: a small share
+    plain = at_16_bits(method, storage)
+    assert plain == {}
+    per_sequence, per_cache = bench.peak_beside_bytes(
+        model, make_cache(model, method, 96, **plain), make_cache(model, method, 96, **plain), 40, 120
+    )
+    bound = per_sequence + per_cache + storage_extra(model, method, storage)
+    most = []
+    count = MemoryMeter.hold_beside
+
+    def hold_beside(meter, owner, n_bytes, n_bytes_16bit):
+        count(meter, owner, n_bytes, n_bytes_16bit)
+        most.append(meter.beside)
+
+    monkeypatch.setattr(MemoryMeter, "hold_beside", hold_beside)
+    greedy_loop(model, random_prompt(40, 5), make_cache(model, method, 96, **storage), 120)
+    assert max(most) <= bound
+    if "low_budget" not in storage:
+        assert max(most) == bound

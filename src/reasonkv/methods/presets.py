@@ -103,8 +103,8 @@ register_preset(
         "H2O storing what it keeps at 4 bits, group 32, no residual, the sink exact (no change of "
         "basis to pay for on every read)",
         "budget 640: KL 0.0385, top-1 0.932, peak K/V 5.82 MiB and peak state about 6.5 MiB a "
-        "sequence at 16-bit pricing; on the report set, each trace alone: KL 0.0474, top-1 0.923 at "
-        "6.42 MiB of state",
+        "sequence at 16-bit pricing; on the report set, each trace alone: KL 0.0474, top-1 0.923 "
+        "(its state the same)",
         "docs/results/bytes-sweep-alone.jsonl",
         "examples/bytes/goal-level-sinks.toml",
         _QUANTIZE,

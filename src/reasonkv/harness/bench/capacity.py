@@ -18,12 +18,16 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.core.cache import GROWTH_CHUNK, CompressedCache
-from reasonkv.core.memory_meter import held_bytes
+from reasonkv.core.low_tier import LowTier
+from reasonkv.core.memory_meter import MemoryMeter, held_bytes
 from reasonkv.core.models import model_shape
+from reasonkv.core.quantize import STORAGE_KNOBS, KVFormat
 from reasonkv.harness.bench.decode import Progress, decode_many, eos_ids, reference_tokens
 from reasonkv.harness.bench.memory import release_memory
 from reasonkv.harness.bench.runs import BenchRun, is_plain_reference, is_reference, reference_method
 from reasonkv.methods.api import make_cache
+from reasonkv.methods.knobs import storage_knobs
+from reasonkv.methods.registry import get_method
 from reasonkv.util.formatting import format_bytes
 
 MAX_BATCH = 256
@@ -285,6 +289,41 @@ def alone_peaks(
     state, own = peak_state_bytes(model, fresh(), fresh(), prompt, n, **how)
     beside, _ = peak_beside_bytes(model, fresh(), fresh(), prompt, n, **how)
     return AlonePeaks(kv, state, beside, own)
+
+
+def storage_format(method: str, knobs: dict) -> KVFormat:
+    """The storage format of `method` with `knobs` (its defaults under them)."""
+    spec = get_method(method)
+    mine = storage_knobs(spec)
+    mine.update((k, v) for k, v in knobs.items() if k in mine)
+    return spec.storage(**mine)
+
+
+def at_16_bits(method: str, knobs: dict) -> dict:
+    """`knobs` with every storage knob removed: K/V at 16 bits, no low tier (quant-int* store
+    below 16 by default, so kv_bits=16 is set for them)."""
+    plain = {k: v for k, v in knobs.items() if k not in STORAGE_KNOBS}
+    if storage_format(method, {}).kv_bits != 16:
+        plain["kv_bits"] = 16
+    return plain
+
+
+def storage_extra(model: torch.nn.Module, method: str, knobs: dict) -> int:
+    """Bytes the storage of `knobs` holds beside K/V, one sequence, that 16-bit storage without a
+    low tier does not (`QuantizedKVStorage.beside_tensors`, `LowTier.beside_tensors`), per layer:
+    pre_rope's position offset (an int64) and whether it held (a bool); fp_sinks' sequence
+    indices (an int64 a head a sink); a low tier's index and score a slot, counted full
+    (`low_budget` a head). Quantized storage's slot indices follow the layer's schedule, as
+    16-bit storage's do."""
+    fmt, shape = storage_format(method, knobs), model_shape(model)
+    per_layer = 0
+    if fmt.quantized:
+        per_layer += (8 + 1) * fmt.pre_rope + 8 * shape.n_kv_heads * fmt.fp_sinks
+    if fmt.low_budget:
+        tier = LowTier(1, 1, torch.device("cpu"), KVFormat(low_budget=1), MemoryMeter())
+        per_slot = tier.token_index.element_size() + tier.scores.element_size()
+        per_layer += fmt.low_budget * shape.n_kv_heads * per_slot
+    return per_layer * shape.n_layers
 
 
 def capacity_batch(memory: int, per_sequence: int, max_batch: int = MAX_BATCH) -> int:
