@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from reasonkv.core.policy import BeaconKVScorer, Observation
+from reasonkv.core.policy import BeaconKVScorer, Observation, protected_mask, select_tokens
 from reasonkv.core.policy.rope import apply_rope
 from reasonkv.core.policy.scorers.beacon import BeaconState
 from reasonkv.core.query_window import QueryWindow
@@ -67,3 +67,25 @@ def stream(
 
 def default_inv_freq(d: int) -> torch.Tensor:
     return 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+
+
+def kept_by(
+    scorer: BeaconKVScorer, state: BeaconState, window: QueryWindow, keys: torch.Tensor, recent: int
+) -> tuple[torch.Tensor, list[int]]:
+    """The hand-made one-head cases' choice: `scorer`'s scores over `keys` [1, 1, T, D] with the
+    `recent` newest queries of `window` and its buffers, RoPE with zero frequencies, and the
+    tokens kept at a budget of 4 with the sink and the 2 newest protected."""
+    t, d = keys.shape[2], keys.shape[3]
+    token_index = torch.arange(t).expand(1, 1, t)
+    obs = Observation(
+        window.queries[:, :, -recent:],
+        window.query_index[:, -recent:],
+        token_index,
+        d**-0.5,
+        query_positions=window.query_positions[:, -recent:],
+        rope_inv_freq=torch.zeros(d // 2),
+        scorer_state=state,
+    )
+    scores = scorer.score(obs, keys, keys)
+    slots, _ = select_tokens(scores, token_index, torch.tensor([[4]]), protected_mask(token_index, 1, 2))
+    return scores, sorted(s for s in slots[0, 0].tolist() if s < t)

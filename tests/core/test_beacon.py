@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from beacon_helpers import stream
+from beacon_helpers import kept_by, stream
 from conftest import (
     TEST_DEVICE,
     build_tiny_model,
@@ -431,25 +431,13 @@ def test_max_keeps_one_query_s_strong_read_where_mean_keeps_a_shared_weak_one(
     queries[4:24, 4:] += 0.1 * torch.randn(20, 4, generator=torch.Generator().manual_seed(3))
     keys = torch.zeros(1, 1, t, d)
     keys[0, 0, 0], keys[0, 0, 3], keys[0, 0, 6] = 8 * e[0], 8 * e[1], 8 * e[2]
-    token_index = torch.arange(t).expand(1, 1, t)
     scorer = BeaconKVScorer(recent=4, aggregation=aggregation)
     *_, (_, state, window) = stream(
         scorer, queries[None, None], (4,) + (1,) * 24, pads=(0,), prompt_len=4, kv_heads=1,
         inv_freq=torch.zeros(d // 2),
     )  # fmt: skip
     assert int(state.count[0, 0]) >= 16  # the older queries are beacons
-    obs = Observation(
-        window.queries[:, :, -4:],
-        window.query_index[:, -4:],
-        token_index,
-        d**-0.5,
-        query_positions=window.query_positions[:, -4:],
-        rope_inv_freq=torch.zeros(d // 2),
-        scorer_state=state,
-    )
-    scores = scorer.score(obs, keys, keys)
-    slots, _ = select_tokens(scores, token_index, torch.tensor([[4]]), protected_mask(token_index, 1, 2))
-    assert sorted(s for s in slots[0, 0].tolist() if s < t) == [0, third, 10, 11]
+    assert kept_by(scorer, state, window, keys, recent=4)[1] == [0, third, 10, 11]
 
 
 def test_beacons_change_the_choice_and_pooling_is_optional() -> None:

@@ -9,15 +9,12 @@ import math
 import pytest
 import torch
 
-from beacon_helpers import default_inv_freq, stream
+from beacon_helpers import default_inv_freq, kept_by, stream
 from conftest import dynamic_cache, greedy_loop, random_prompt, tiny_model
 from reasonkv import get_method, make_cache
 from reasonkv.core.policy import (
     BeaconKVScorer,
     InitialRecentScorer,
-    Observation,
-    protected_mask,
-    select_tokens,
 )
 
 FIXED = 16  # beacon_min: the size of the fixed set
@@ -87,25 +84,13 @@ def test_the_first_queries_decide_where_beaconkv_lets_later_ones_decide() -> Non
     pre = (queries + noise)[None, None]  # [1, 1, 64, 8]
     keys = torch.zeros(1, 1, t, d)
     keys[0, 0, 0], keys[0, 0, 3], keys[0, 0, 6] = 8 * e[0], 8 * e[1], 8 * e[2]
-    token_index = torch.arange(t).expand(1, 1, t)
     sizes = (4,) + (1,) * 60
     kept = {}
     for scorer in (InitialRecentScorer(recent=4), BeaconKVScorer(recent=4)):
         *_, (_, state, window) = stream(
             scorer, pre, sizes, pads=(0,), prompt_len=4, kv_heads=1, inv_freq=torch.zeros(d // 2)
         )
-        obs = Observation(
-            window.queries[:, :, -4:],
-            window.query_index[:, -4:],
-            token_index,
-            d**-0.5,
-            query_positions=window.query_positions[:, -4:],
-            rope_inv_freq=torch.zeros(d // 2),
-            scorer_state=state,
-        )
-        scores = scorer.score(obs, keys, keys)
-        slots, _ = select_tokens(scores, token_index, torch.tensor([[4]]), protected_mask(token_index, 1, 2))
-        kept[type(scorer).__name__] = sorted(s for s in slots[0, 0].tolist() if s < t)
+        scores, kept[type(scorer).__name__] = kept_by(scorer, state, window, keys, recent=4)
         if isinstance(scorer, InitialRecentScorer):
             torch.testing.assert_close(state.beacons[0, 0], pre[0, 0, 4:20])  # the first 16 generated
             a = math.exp(math.sqrt(8))

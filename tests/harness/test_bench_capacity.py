@@ -263,6 +263,19 @@ def test_the_predicted_state_peak_is_the_meters(method: str, knobs: dict, prompt
     assert cache.kv_meter.peak_state == per_sequence + per_cache
 
 
+def beside_counts(monkeypatch) -> list[int]:
+    """What every meter holds beside K/V after each of its counts, from now on."""
+    seen: list[int] = []
+    count = MemoryMeter.hold_beside
+
+    def hold_beside(meter, owner, n_bytes, n_bytes_16bit):
+        count(meter, owner, n_bytes, n_bytes_16bit)
+        seen.append(meter.beside)
+
+    monkeypatch.setattr(MemoryMeter, "hold_beside", hold_beside)
+    return seen
+
+
 @pytest.mark.parametrize(
     ("method", "knobs"),
     [("h2o", {}), ("snapkv", KNOBS), ("beaconkv", {}), ("beaconkv", {"beacon_bits": 8, "upkeep_every": 1})],
@@ -273,19 +286,12 @@ def test_the_predicted_beside_peak_is_the_meters(monkeypatch, method: str, knobs
     quantized unit's metered K/V) is the meter's largest beside count over a prompt past the
     trigger and 40 tokens, byte for byte; and it is at least peak state less peak K/V."""
     model = build_tiny_model("llama")
-    most = []
-    count = MemoryMeter.hold_beside
-
-    def hold_beside(meter, owner, n_bytes, n_bytes_16bit):
-        count(meter, owner, n_bytes, n_bytes_16bit)
-        most.append(meter.beside)
-
-    monkeypatch.setattr(MemoryMeter, "hold_beside", hold_beside)
+    most = beside_counts(monkeypatch)
 
     def fresh():
         return make_cache(model, method, 24, **knobs)
 
-    per_sequence, per_cache = bench.peak_beside_bytes(model, fresh(), fresh(), 40, 40)
+    per_sequence, per_cache = bench.peak_state_bytes(model, fresh(), fresh(), 40, 40, beside_only=True)
     state, _ = bench.peak_state_bytes(model, fresh(), fresh(), 40, 40)
     most.clear()
     cache = fresh()
@@ -314,18 +320,10 @@ def test_a_low_bit_cache_holds_beside_its_kv_at_most_its_16_bit_twin_and_the_sto
     model = build_tiny_model("llama", num_hidden_layers=8)  # one layer read dequantized: a small share
     plain = at_16_bits(method, storage)
     assert plain == {}
-    per_sequence, per_cache = bench.peak_beside_bytes(
-        model, make_cache(model, method, 96, **plain), make_cache(model, method, 96, **plain), 40, 120
-    )
+    twin = [make_cache(model, method, 96, **plain) for _ in range(2)]
+    per_sequence, per_cache = bench.peak_state_bytes(model, *twin, 40, 120, beside_only=True)
     bound = per_sequence + per_cache + storage_extra(model, method, storage)
-    most = []
-    count = MemoryMeter.hold_beside
-
-    def hold_beside(meter, owner, n_bytes, n_bytes_16bit):
-        count(meter, owner, n_bytes, n_bytes_16bit)
-        most.append(meter.beside)
-
-    monkeypatch.setattr(MemoryMeter, "hold_beside", hold_beside)
+    most = beside_counts(monkeypatch)
     greedy_loop(model, random_prompt(40, 5), make_cache(model, method, 96, **storage), 120)
     assert max(most) <= bound
     if "low_budget" not in storage:

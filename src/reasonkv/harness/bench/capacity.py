@@ -212,33 +212,18 @@ def peak_state_bytes(
     *,
     compresses: bool = True,
     decode_only: bool = False,
+    beside_only: bool = False,
 ) -> tuple[int, int]:
     """Peak bytes of everything one sequence of `prompt` tokens decoding `n` more holds (K/V,
     slot indices, query windows, policy state), predicted as `peak_kv_slots` predicts its K/V,
     and what the cache holds whatever its batch: (per sequence, per cache). `cache` and `fresh`
-    are two new caches of the method (the second is fed a token to read its shapes). A
+    are two new caches of the method (the second is fed a token to read its shapes).
+    `beside_only`: the most held beside the K/V at once instead; it need not fall at the step of
+    the K/V's peak, so that and the K/V's peak added bound the peak state from above. A
     ValueError says why it cannot be predicted."""
     layers, beside, own = _state_schedule(model, cache, fresh, prompt, n, compresses)
-    return peak_held(layers, n, 1 if decode_only else 0, slot_bytes(model), beside), own
-
-
-def peak_beside_bytes(
-    model,
-    cache: CompressedCache,
-    fresh: CompressedCache,
-    prompt: int,
-    n: int,
-    *,
-    compresses: bool = True,
-    decode_only: bool = False,
-) -> tuple[int, int]:
-    """The most bytes one sequence holds beside its K/V at once (slot indices, query windows,
-    per-token scores, policy state), on the schedule `peak_state_bytes` follows, and what the
-    cache holds whatever its batch: (per sequence, per cache). Its peak need not fall at the
-    step of the K/V's peak, so the two peaks added bound the peak state from above. A
-    ValueError says why it cannot be predicted."""
-    layers, beside, own = _state_schedule(model, cache, fresh, prompt, n, compresses)
-    return peak_held(layers, n, 1 if decode_only else 0, 0, beside), own
+    per_slot = 0 if beside_only else slot_bytes(model)
+    return peak_held(layers, n, 1 if decode_only else 0, per_slot, beside), own
 
 
 def _state_schedule(
@@ -287,7 +272,7 @@ def alone_peaks(
     how = {"compresses": not is_reference(method), "decode_only": decode_only}
     kv = peak_kv_slots(fresh(), prompt, n, **how) * slot_bytes(model)
     state, own = peak_state_bytes(model, fresh(), fresh(), prompt, n, **how)
-    beside, _ = peak_beside_bytes(model, fresh(), fresh(), prompt, n, **how)
+    beside, _ = peak_state_bytes(model, fresh(), fresh(), prompt, n, **how, beside_only=True)
     return AlonePeaks(kv, state, beside, own)
 
 
