@@ -76,7 +76,14 @@ def run(spec: dict, trace: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "REASONKV_VLLM_TRACE": str(trace)}
+        # Step counts only: the kept-index records (every layer's whole cache at each
+        # compression, every step for H2O) would be written inside the timed run.
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "REASONKV_VLLM_TRACE": str(trace),
+            "REASONKV_VLLM_TRACE_KINDS": "step",
+        }
         cmd = [sys.executable, __file__, "--worker", str(spec_path), str(out_path)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -85,8 +92,10 @@ def run(spec: dict, trace: Path) -> dict:
 
 
 def summarise(method: str, result: dict, trace: Path) -> dict:
-    steps = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
-    steps = [s for s in steps if s["kind"] == "step"]
+    steps = []
+    if trace.exists():
+        with trace.open() as lines:  # line by line: a trace may be long
+            steps = [s for s in map(json.loads, lines) if s["kind"] == "step"]
     row = {
         "method": method,
         "tok_s": result["tokens"] / result["wall_s"],

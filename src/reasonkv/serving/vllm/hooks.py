@@ -181,7 +181,7 @@ def patch_scheduler(scheduler_cls, manager_cls) -> None:
             lengths = getattr(model_runner_output, LENGTHS_ATTR, None)
             if lengths:
                 _release(self, lengths)
-            trace = trace_path()
+            trace = trace_path("step")
             if trace:  # also with the adapter off: a benchmark's plain run counts its steps too
                 write_trace(
                     trace, "step", running=len(self.running), waiting=len(self.waiting),
@@ -194,7 +194,7 @@ def patch_scheduler(scheduler_cls, manager_cls) -> None:
 
     def preempt(original):
         def run(self, request, *args, **kwargs):
-            trace = trace_path()
+            trace = trace_path("preempt")
             if trace and runtime.is_on(self.vllm_config):
                 write_trace(
                     trace, "preempt", request=request.request_id, computed=request.num_computed_tokens
@@ -214,7 +214,7 @@ def _release(scheduler, lengths: dict[str, int]) -> None:
     """Give back every block past each compressed request's physical length."""
     manager = scheduler.kv_cache_manager
     dropped = _dropped_map(manager)
-    trace = trace_path()
+    trace = trace_path("release")
     groups = manager.coordinator.single_type_managers
     if len(groups) != 1:  # check_engine refuses the models that make several
         raise RuntimeError(f"reasonkv in vLLM keeps one KV-cache group, this engine has {len(groups)}")

@@ -24,11 +24,25 @@ from reasonkv.serving.request_layer import RequestLayer
 from reasonkv.serving.vllm.paged_kv import TileLayout
 from reasonkv.serving.vllm.settings import ServingSettings, request_settings
 
+TRACE_KINDS = ("kept", "release", "step", "preempt")
 
-def trace_path() -> str | None:
-    """`REASONKV_VLLM_TRACE=PATH`: every compression's kept token indices and every block
-    release, one JSON object a line (appended by the worker and the scheduler processes)."""
-    return os.environ.get("REASONKV_VLLM_TRACE") or None
+
+def trace_path(kind: str) -> str | None:
+    """Where events of `kind` go: `REASONKV_VLLM_TRACE=PATH` appends one JSON object a line
+    (from the worker and the scheduler processes) for every compression's kept token indices,
+    every block release, every scheduler step and every preemption;
+    `REASONKV_VLLM_TRACE_KINDS=step,preempt` records those kinds only. A benchmark wants that:
+    H2O compresses at every step, and its kept indices (a request's whole cache, every layer)
+    would be gigabytes of JSON written inside the timed run."""
+    path = os.environ.get("REASONKV_VLLM_TRACE") or None
+    kinds = os.environ.get("REASONKV_VLLM_TRACE_KINDS")
+    if path is None or kinds is None:
+        return path
+    wanted = {k.strip() for k in kinds.split(",") if k.strip()}
+    unknown = sorted(wanted - set(TRACE_KINDS))
+    if unknown:
+        raise ValueError(f"REASONKV_VLLM_TRACE_KINDS: unknown {unknown}; known: {', '.join(TRACE_KINDS)}")
+    return path if kind in wanted else None
 
 
 def write_trace(path: str, kind: str, **fields) -> None:
@@ -83,7 +97,7 @@ class WorkerState:
         self.compressed: dict[str, int] = {}  # request -> physical length, this step
         self.pending_lengths: dict[str, int] = {}  # compressed since the last output was sent
         self.layouts: dict[tuple, TileLayout] = {}
-        self.trace = trace_path()
+        self.trace = trace_path("kept")
 
     def policy_for(self, settings: ServingSettings) -> tuple[torch.Tensor, LayerPolicy]:
         """Budgets and policy for these settings, built once (requests may bring their own)."""
