@@ -140,7 +140,7 @@ def server(chat_model_dir, tmp_path) -> Iterator[Server]:
         "--additional-config", json.dumps({"reasonkv": SNAPKV}),
     ]  # fmt: skip
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "REASONKV_VLLM_TRACE_KINDS"},  # every kind
         "VLLM_CPU_KVCACHE_SPACE": "1",  # see vllm_helpers.run_engine
         "REASONKV_VLLM_TRACE": str(trace),
         "HF_HUB_OFFLINE": "1",  # a local folder: nothing to look up

@@ -62,7 +62,9 @@ def run_engine(spec: dict, tmp_path: Path, name: str, env: dict | None = None) -
     spec_path.write_text(json.dumps(spec))
     # A KV space of its own: without it the worker refuses to start when other processes hold
     # memory (it wants 92 % of the machine free); the block count is num_blocks either way.
-    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "REASONKV_VLLM_TRACE": str(trace), **(env or {})}
+    # Every trace kind (tests read "kept" and "release"), whatever the caller's shell exports.
+    inherited = {k: v for k, v in os.environ.items() if k != "REASONKV_VLLM_TRACE_KINDS"}
+    full_env = {**inherited, "VLLM_CPU_KVCACHE_SPACE": "1", "REASONKV_VLLM_TRACE": str(trace), **(env or {})}
     proc = subprocess.run(
         [sys.executable, str(HERE / "engine_run.py"), str(spec_path), str(out_path)],
         env=full_env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT,

@@ -181,10 +181,9 @@ def patch_scheduler(scheduler_cls, manager_cls) -> None:
             lengths = getattr(model_runner_output, LENGTHS_ATTR, None)
             if lengths:
                 _release(self, lengths)
-            trace = trace_path("step")
-            if trace:  # also with the adapter off: a benchmark's plain run counts its steps too
+            if trace_path("step"):  # also with the adapter off: a benchmark's plain run counts its steps
                 write_trace(
-                    trace, "step", running=len(self.running), waiting=len(self.waiting),
+                    "step", running=len(self.running), waiting=len(self.waiting),
                     free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
                     usage=self.kv_cache_manager.usage,
                 )  # fmt: skip
@@ -194,11 +193,8 @@ def patch_scheduler(scheduler_cls, manager_cls) -> None:
 
     def preempt(original):
         def run(self, request, *args, **kwargs):
-            trace = trace_path("preempt")
-            if trace and runtime.is_on(self.vllm_config):
-                write_trace(
-                    trace, "preempt", request=request.request_id, computed=request.num_computed_tokens
-                )
+            if trace_path("preempt") and runtime.is_on(self.vllm_config):
+                write_trace("preempt", request=request.request_id, computed=request.num_computed_tokens)
             return original(self, request, *args, **kwargs)
 
         return run
@@ -232,7 +228,6 @@ def _release(scheduler, lengths: dict[str, int]) -> None:
             manager.block_pool.free_blocks(reversed(extra))
         if trace:
             write_trace(
-                trace,
                 "release",
                 request=rid,
                 length=length,

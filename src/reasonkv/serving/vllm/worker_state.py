@@ -34,20 +34,28 @@ def trace_path(kind: str) -> str | None:
     `REASONKV_VLLM_TRACE_KINDS=step,preempt` records those kinds only. A benchmark wants that:
     H2O compresses at every step, and its kept indices (a request's whole cache, every layer)
     would be gigabytes of JSON written inside the timed run."""
+    if kind not in TRACE_KINDS:
+        raise ValueError(f"reasonkv: no trace event of kind {kind!r}; kinds: {', '.join(TRACE_KINDS)}")
     path = os.environ.get("REASONKV_VLLM_TRACE") or None
     kinds = os.environ.get("REASONKV_VLLM_TRACE_KINDS")
     if path is None or kinds is None:
         return path
     wanted = {k.strip() for k in kinds.split(",") if k.strip()}
+    known = ", ".join(TRACE_KINDS)
+    if not wanted:
+        raise ValueError(f"REASONKV_VLLM_TRACE_KINDS is set but names no kind; known: {known}")
     unknown = sorted(wanted - set(TRACE_KINDS))
     if unknown:
-        raise ValueError(f"REASONKV_VLLM_TRACE_KINDS: unknown {unknown}; known: {', '.join(TRACE_KINDS)}")
+        raise ValueError(f"REASONKV_VLLM_TRACE_KINDS: unknown {unknown}; known: {known}")
     return path if kind in wanted else None
 
 
-def write_trace(path: str, kind: str, **fields) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps({"kind": kind, **fields}) + "\n")
+def write_trace(kind: str, **fields) -> None:
+    """Append one event of `kind` where `trace_path(kind)` says (nothing if it says None)."""
+    path = trace_path(kind)
+    if path is not None:
+        with open(path, "a") as f:
+            f.write(json.dumps({"kind": kind, **fields}) + "\n")
 
 
 @dataclass
@@ -188,7 +196,6 @@ class WorkerState:
             if self.trace:
                 kept = request_layer.token_index[0].tolist()
                 write_trace(
-                    self.trace,
                     "kept",
                     request=rid,
                     prompt_len=state.prompt_len,
