@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="no vLLM here: the adapter's tests run in .venv-vllm (make test-vllm)")
 
-from vllm_helpers import BLOCK, hf_python  # noqa: E402
+from vllm_helpers import BLOCK, hf_python, traced_env  # noqa: E402
 
 SNAPKV = {"method": "snapkv", "budget": 32, "interval": 32}  # every prompt + MAX_TOKENS passes 64
 MAX_TOKENS = 150
@@ -140,9 +140,7 @@ def server(chat_model_dir, tmp_path) -> Iterator[Server]:
         "--additional-config", json.dumps({"reasonkv": SNAPKV}),
     ]  # fmt: skip
     env = {
-        **{k: v for k, v in os.environ.items() if k != "REASONKV_VLLM_TRACE_KINDS"},  # every kind
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # see vllm_helpers.run_engine
-        "REASONKV_VLLM_TRACE": str(trace),
+        **traced_env(trace),
         "HF_HUB_OFFLINE": "1",  # a local folder: nothing to look up
         "VLLM_NO_USAGE_STATS": "1",
     }

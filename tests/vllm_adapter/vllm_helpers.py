@@ -54,17 +54,22 @@ def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
 
 
+def traced_env(trace: Path) -> dict[str, str]:
+    """This process's environment for an engine that traces to `trace`: every trace kind (tests
+    read "kept" and "release"), whatever the caller's shell exports, and a KV space of its own:
+    without it the worker refuses to start when other processes hold memory (it wants 92 % of
+    the machine free); the block count is the test's either way."""
+    inherited = {k: v for k, v in os.environ.items() if k != "REASONKV_VLLM_TRACE_KINDS"}
+    return {**inherited, "VLLM_CPU_KVCACHE_SPACE": "1", "REASONKV_VLLM_TRACE": str(trace)}
+
+
 def run_engine(spec: dict, tmp_path: Path, name: str, env: dict | None = None) -> dict:
     """One vLLM engine over `spec` (see engine_run.py); with the adapter's trace under "trace" and
     the engine's output under "log"."""
     spec_path, out_path = tmp_path / f"{name}.spec.json", tmp_path / f"{name}.out.json"
     trace = tmp_path / f"{name}.trace"
     spec_path.write_text(json.dumps(spec))
-    # A KV space of its own: without it the worker refuses to start when other processes hold
-    # memory (it wants 92 % of the machine free); the block count is num_blocks either way.
-    # Every trace kind (tests read "kept" and "release"), whatever the caller's shell exports.
-    inherited = {k: v for k, v in os.environ.items() if k != "REASONKV_VLLM_TRACE_KINDS"}
-    full_env = {**inherited, "VLLM_CPU_KVCACHE_SPACE": "1", "REASONKV_VLLM_TRACE": str(trace), **(env or {})}
+    full_env = {**traced_env(trace), **(env or {})}
     proc = subprocess.run(
         [sys.executable, str(HERE / "engine_run.py"), str(spec_path), str(out_path)],
         env=full_env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT,
