@@ -126,3 +126,37 @@ def test_on_exact_ties_request_layers_keep_what_the_cache_keeps(monkeypatch, met
         dtype=torch.float32, device=torch.device("cpu"),
     )  # fmt: skip
     assert replay(layer, steps) > 0
+
+
+def test_waiting_decode_queries_join_the_window_as_step_by_step_keeps_would() -> None:
+    """A scorer that does not observe steps (SnapKV) lets decode queries wait before they join the
+    window; what the window then holds (queries, indices, positions) is what a window fed one
+    query a step holds, whenever it is read, and no more than PENDING_QUERIES wait."""
+    from reasonkv.core.query_window import QueryWindow
+    from reasonkv.serving.request_layer import PENDING_QUERIES
+
+    model = tiny_model("llama")
+    cache = reasonkv.make_cache(model, "snapkv", 512, window=5)
+    layer = RequestLayer(0, cache.budgets[0], cache.policy, [None], 6, 16, torch.float32, torch.device("cpu"))
+    reference = QueryWindow()
+    size = layer._window_keep
+    torch.manual_seed(0)
+    keys = torch.randn(1, 2, 0, 16)
+    for step in range(3 * PENDING_QUERIES + 3):
+        q = 6 if step == 0 else 1  # the prompt, then one token a step
+        first = layer.seen
+        query = torch.randn(1, 4, q, 16)
+        positions = torch.arange(first, first + q) + 100  # positions need not equal indices
+        keys = torch.cat([keys, torch.randn(1, 2, q, 16)], dim=2)
+        assert layer.step(query, positions, lambda v, k=keys: (k, k), 0.25) is None  # budget not reached
+        index, pos = reference.label(query, first, None, positions[None])
+        reference.keep(query, index, pos, size)
+        assert len(layer._pending) < PENDING_QUERIES
+        if step % 5 == 4:  # read now and then: reading joins what waits
+            window = layer.window
+            assert torch.equal(window.queries, reference.queries)
+            assert torch.equal(window.query_index, reference.query_index)
+            assert torch.equal(window.query_positions, reference.query_positions)
+            assert layer._pending == []
+    assert layer.length == layer.seen == keys.shape[2]
+    assert torch.equal(layer.token_index[0], torch.arange(layer.seen).expand(2, -1))

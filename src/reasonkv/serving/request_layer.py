@@ -14,6 +14,13 @@ One block table is shared by all layers and heads of a request, so every head mu
 same number of tokens: only methods with one budget for every layer and head run here (the
 adapter refuses the others by name before the engine starts).
 
+A decode step that does not compress touches no tensor of the layer: its token is counted (the
+new slots' token indices and zero states are joined when a policy next reads them) and its query
+waits in a short list that joins the window in one step (`PENDING_QUERIES`). A serving step runs
+this once per (request, layer): a handful of small tensor ops each, hundreds a step, was most of
+the adapter's cost on CPU. Scorers that observe every step (H2O, BeaconKV) read the window and
+the held tokens at each step, so for them nothing waits.
+
 It imports no engine, and no transformers itself: what it shares with the HF path (the policy
 states, the observation a scorer reads, the query window) it takes from core.
 """
@@ -29,6 +36,10 @@ from reasonkv.core.layer import PolicyStates, layer_observation
 from reasonkv.core.policy.contract import BudgetPlan, Scorer
 from reasonkv.core.policy.selection import protected_mask, select_tokens
 from reasonkv.core.query_window import QueryWindow
+
+PENDING_QUERIES = 8
+"""Decode queries a layer holds aside before they join its window: the window then changes
+once per this many steps, and holds at most this many queries more than its size."""
 
 ReadKV = Callable[[bool], tuple[torch.Tensor, torch.Tensor | None]]
 """`read_kv(values)`: the request's stored keys of this layer, [1, H, T, D] in slot order, and its
@@ -59,12 +70,15 @@ class RequestLayer:
         self.scorer_states = scorer_states
         self.dtype, self.device, self.head_dim = dtype, device, head_dim
         h = budgets.numel()
-        self.token_index = torch.empty(1, h, 0, dtype=torch.long, device=device)
-        self.token_state = {
+        self._token_index = torch.empty(1, h, 0, dtype=torch.long, device=device)
+        self._token_state = {
             n: torch.zeros(1, h, 0, device=device) for n in policy.scorer.state_names
         }  # [1, H, T] each, as KVStorage keeps them
-        self.window = QueryWindow(policy.scorer.window_bits)
-        self.window.prompt_end = torch.tensor([prompt_end], device=device)
+        self._joined = 0  # tokens [0, _joined) are in _token_index; [_joined, seen) are counted only
+        self._window = QueryWindow(policy.scorer.window_bits)
+        self._window.prompt_end = torch.tensor([prompt_end], device=device)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (query [1, Hq, q, D], positions [q])
+        self._pending_from = 0  # sequence index of the first pending query
         self.seen = 0
         self.n_query_heads = 0
         self.states = PolicyStates()
@@ -76,6 +90,23 @@ class RequestLayer:
 
     # ------------------------------------------------------------ LayerView
     @property
+    def token_index(self) -> torch.Tensor:
+        """[1, H, T] the sequence index each slot holds (the counted tokens joined first)."""
+        self._join_tokens()
+        return self._token_index
+
+    @property
+    def token_state(self) -> dict[str, torch.Tensor]:
+        self._join_tokens()
+        return self._token_state
+
+    @property
+    def window(self) -> QueryWindow:
+        """The recent queries (the waiting ones joined first)."""
+        self._join_queries()
+        return self._window
+
+    @property
     def n_valid(self) -> torch.Tensor:
         return torch.full_like(self.budgets, self.length)[None]
 
@@ -86,7 +117,7 @@ class RequestLayer:
     @property
     def length(self) -> int:
         """Slots the request holds in this layer (every head the same)."""
-        return self.token_index.shape[-1]
+        return self._token_index.shape[-1] + self.seen - self._joined
 
     @property
     def n_recent(self) -> int:
@@ -116,12 +147,7 @@ class RequestLayer:
         None. `may_compress=False` (a prompt chunk before the prompt's last) only observes."""
         q = query.shape[2]
         first = self.seen
-        new = torch.arange(first, first + q, device=self.device).expand(1, self.budgets.numel(), q)
-        self.token_index = torch.cat([self.token_index, new], dim=-1)
-        for name, tensor in self.token_state.items():
-            self.token_state[name] = torch.cat([tensor, tensor.new_zeros(1, tensor.shape[1], q)], dim=-1)
         self.seen += q
-        index, positions = self.window.label(query, first, None, positions[None])
         if not self._states_made:
             self.n_query_heads = query.shape[1]
             policy = self.policy
@@ -132,10 +158,17 @@ class RequestLayer:
             self.scorer_states[self.layer_idx] = self.states.scorer
             self._states_made = True
         if self._observes_steps:
+            index, positions = self._window.label(query, first, None, positions[None])
             step = layer_observation(self, query.detach(), index, positions, scaling)
             keys = read_kv(False)[0] if self.policy.scorer.step_reads_keys else None  # BeaconKV: none
             self.policy.scorer.on_step(step, keys)
-        self.window.keep(query, index, positions, self._window_keep)
+            self._window.keep(query, index, positions, self._window_keep)
+        else:
+            if not self._pending:
+                self._pending_from = first
+            self._pending.append((query, positions))
+            if len(self._pending) >= PENDING_QUERIES or q > 1:
+                self._join_queries()
         if not may_compress:
             return None
         schedule = self.policy.schedule
@@ -147,6 +180,32 @@ class RequestLayer:
         scores = self.policy.scorer.score(obs, keys, values)
         keep = schedule.keep(self, self.states.schedule)
         return self._select(keep, scores)
+
+    def _join_tokens(self) -> None:
+        """Give the counted tokens their slots: their sequence indices, and zero scorer states."""
+        q = self.seen - self._joined
+        if q == 0:
+            return
+        h = self.budgets.numel()
+        new = torch.arange(self._joined, self.seen, device=self.device).expand(1, h, q)
+        self._token_index = torch.cat([self._token_index, new], dim=-1)
+        for name, tensor in self._token_state.items():
+            self._token_state[name] = torch.cat([tensor, tensor.new_zeros(1, h, q)], dim=-1)
+        self._joined = self.seen
+
+    def _join_queries(self) -> None:
+        """The waiting queries join the window as one forward would (keeping the last `size` of
+        window and queries is the same done at once or one query at a time)."""
+        if not self._pending:
+            return
+        if len(self._pending) == 1:
+            query, positions = self._pending[0]
+        else:
+            query = torch.cat([p[0] for p in self._pending], dim=2)
+            positions = torch.cat([p[1] for p in self._pending])
+        self._pending = []
+        index, positions = self._window.label(query, self._pending_from, None, positions[None])
+        self._window.keep(query, index, positions, self._window_keep)
 
     def _select(self, keep: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         policy = self.policy
@@ -160,6 +219,6 @@ class RequestLayer:
                 "needs one count for every head"
             )
         slots = slots[0, :, :kept]
-        self.token_index = self.token_index.gather(2, slots[None])
-        self.token_state = {n: t.gather(2, slots[None]) for n, t in self.token_state.items()}
+        self._token_index = self._token_index.gather(2, slots[None])
+        self._token_state = {n: t.gather(2, slots[None]) for n, t in self._token_state.items()}
         return slots

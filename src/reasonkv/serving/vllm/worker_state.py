@@ -88,6 +88,7 @@ class StepBatch:
     extra_args: list[dict | None]  # each request's SamplingParams.extra_args (its own settings)
     block_rows: list[torch.Tensor]  # each request's block ids
     positions: torch.Tensor  # [tokens] logical RoPE positions
+    starts: list[int] | None = None  # each request's first token in the forward, then the total
 
 
 class WorkerState:
@@ -149,7 +150,12 @@ class WorkerState:
         if batch is None:
             return
         layout = self.layout(kv_cache.dtype, layer.isa)
-        starts = query_start.tolist()
+        if batch.starts is None:  # every layer of a step has the same query offsets
+            batch.starts = query_start.tolist()
+        starts = batch.starts
+        # A copy of this layer's queries: a request layer may hold its decode query for a few
+        # steps before it joins the window, and vLLM's own tensor is not ours to keep.
+        query = query.detach().clone()
         for i, rid in enumerate(batch.req_ids):
             start, end = starts[i], starts[i + 1]
             if end <= start:
