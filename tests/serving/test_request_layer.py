@@ -131,7 +131,8 @@ def test_on_exact_ties_request_layers_keep_what_the_cache_keeps(monkeypatch, met
 def test_waiting_decode_queries_join_the_window_as_step_by_step_keeps_would() -> None:
     """A scorer that does not observe steps (SnapKV) lets decode queries wait before they join the
     window; what the window then holds (queries, indices, positions) is what a window fed one
-    query a step holds, whenever it is read, and no more than PENDING_QUERIES wait."""
+    query a step holds, whenever it is read, and no more than PENDING_QUERIES wait. The engine may
+    reuse its tensors after the step: what waits must not change with them."""
     from reasonkv.core.query_window import QueryWindow
     from reasonkv.serving.request_layer import PENDING_QUERIES
 
@@ -142,21 +143,26 @@ def test_waiting_decode_queries_join_the_window_as_step_by_step_keeps_would() ->
     size = layer._window_keep
     torch.manual_seed(0)
     keys = torch.randn(1, 2, 0, 16)
+    waited = 0
     for step in range(3 * PENDING_QUERIES + 3):
         q = 6 if step == 0 else 1  # the prompt, then one token a step
         first = layer.seen
         query = torch.randn(1, 4, q, 16)
         positions = torch.arange(first, first + q) + 100  # positions need not equal indices
         keys = torch.cat([keys, torch.randn(1, 2, q, 16)], dim=2)
-        assert layer.step(query, positions, lambda v, k=keys: (k, k), 0.25) is None  # budget not reached
+        engine_query, engine_positions = query.clone(), positions.clone()
+        assert layer.step(engine_query, engine_positions, lambda v, k=keys: (k, k), 0.25) is None
+        engine_query.zero_(), engine_positions.zero_()  # the engine's buffers, reused for the next step
         index, pos = reference.label(query, first, None, positions[None])
         reference.keep(query, index, pos, size)
         assert len(layer._pending) < PENDING_QUERIES
-        if step % 5 == 4:  # read now and then: reading joins what waits
+        waited = max(waited, len(layer._pending))
+        if step % 11 == 10:  # now and then, more than PENDING_QUERIES steps apart: reading joins what waits
             window = layer.window
             assert torch.equal(window.queries, reference.queries)
             assert torch.equal(window.query_index, reference.query_index)
             assert torch.equal(window.query_positions, reference.query_positions)
             assert layer._pending == []
+    assert waited == PENDING_QUERIES - 1  # the cap was reached and joined, not only read away
     assert layer.length == layer.seen == keys.shape[2]
     assert torch.equal(layer.token_index[0], torch.arange(layer.seen).expand(2, -1))

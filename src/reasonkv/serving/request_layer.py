@@ -166,9 +166,12 @@ class RequestLayer:
         else:
             if not self._pending:
                 self._pending_from = first
-            self._pending.append((query, positions))
-            if len(self._pending) >= PENDING_QUERIES or q > 1:
+            if len(self._pending) + 1 >= PENDING_QUERIES or q > 1:
+                self._pending.append((query, positions))
                 self._join_queries()
+            else:  # it waits: a copy, for the engine may reuse its tensors, and a view of them
+                # (one row of a step with a long prefill chunk) would keep the whole step alive
+                self._pending.append((query.detach().clone(), positions.clone()))
         if not may_compress:
             return None
         schedule = self.policy.schedule

@@ -153,9 +153,6 @@ class WorkerState:
         if batch.starts is None:  # every layer of a step has the same query offsets
             batch.starts = query_start.tolist()
         starts = batch.starts
-        # A copy of this layer's queries: a request layer may hold its decode query for a few
-        # steps before it joins the window, and vLLM's own tensor is not ours to keep.
-        query = query.detach().clone()
         for i, rid in enumerate(batch.req_ids):
             start, end = starts[i], starts[i + 1]
             if end <= start:
