@@ -184,6 +184,33 @@ def forbidden_third_party(modules: dict[str, Module], prefix: str, banned: str) 
     return sorted(set(bad))
 
 
+ENGINE_NEUTRAL = ("reasonkv.core.step", "reasonkv.serving.paged_request")
+"""The one decode step and the storage serving engines give it: below every engine integration,
+so neither may reach transformers, not even through another reasonkv module."""
+
+
+def reaches_third_party(
+    modules: dict[str, Module], graph: dict[str, dict[str, int]], roots: tuple[str, ...], banned: str
+) -> list[str]:
+    """For each root, the chain of reasonkv imports by which it reaches a module importing `banned`."""
+    bad = []
+    for root in roots:
+        seen, stack = {root: [root]}, [root]
+        while stack:
+            name = stack.pop()
+            mod = modules.get(name)
+            if mod is not None and any(
+                i == banned or i.startswith(banned + ".") for i, _ in imported_names(mod)
+            ):
+                bad.append(f"{root} reaches {banned} through {' -> '.join(seen[name])}")
+                break
+            for target in sorted(graph.get(name, {})):
+                if target not in seen:
+                    seen[target] = seen[name] + [target]
+                    stack.append(target)
+    return bad
+
+
 def util_violations(graph: dict[str, dict[str, int]]) -> list[str]:
     return [
         f"{source}:{line} -> {target}"
@@ -348,12 +375,17 @@ def test_policy_math_does_not_import_transformers() -> None:
 
 
 def test_only_the_vllm_adapter_imports_vllm() -> None:
-    """vLLM is an optional install: every module outside serving/vllm must import without it, and
-    the engine-agnostic request layer imports no engine (nor transformers) at all."""
+    """vLLM is an optional install: every module outside serving/vllm must import without it."""
     outside = {n: m for n, m in MODULES.items() if not n.startswith("reasonkv.serving.vllm")}
     bad = forbidden_third_party(outside, "reasonkv", "vllm")
-    bad += forbidden_third_party(MODULES, "reasonkv.serving.request_layer", "transformers")
     assert not bad, listing("vllm imported outside reasonkv.serving.vllm", bad)
+
+
+def test_the_step_and_its_serving_storage_reach_no_transformers() -> None:
+    assert all(root in MODULES for root in ENGINE_NEUTRAL)
+    bad = reaches_third_party(MODULES, GRAPH, ENGINE_NEUTRAL, "transformers")
+    bad += reaches_third_party(MODULES, GRAPH, ENGINE_NEUTRAL, "vllm")
+    assert not bad, listing("the engine-neutral step must import no engine", bad)
 
 
 def test_util_imports_no_reasonkv_module() -> None:
@@ -415,7 +447,7 @@ def test_the_layer_rules_catch_upward_edges_the_facade_and_util_imports() -> Non
         "reasonkv.core.cache": {"reasonkv.core.policy.base": 3, "reasonkv.methods.api": 4},
         "reasonkv.core.policy.base": {"reasonkv.core.policy.rope": 1, "reasonkv.core.models": 2},
         "reasonkv.harness.replay": {"reasonkv": 7},
-        "reasonkv.serving.request_layer": {"reasonkv.harness.replay": 8},
+        "reasonkv.serving.paged_request": {"reasonkv.harness.replay": 8},
         "reasonkv.util.tables": {"reasonkv.util.formatting": 1},
         "reasonkv.extra": {},
     }
@@ -426,7 +458,7 @@ def test_the_layer_rules_catch_upward_edges_the_facade_and_util_imports() -> Non
         "reasonkv.extra: belongs to no layer (reasonkv.util, reasonkv.core.policy, reasonkv.core, "
         "reasonkv.methods, reasonkv.serving, reasonkv.harness, reasonkv.cli)",
         "reasonkv.harness.replay:7 -> reasonkv (the facade; import the module that defines it)",
-        "reasonkv.serving.request_layer:8 -> reasonkv.harness.replay (serving must not import harness)",
+        "reasonkv.serving.paged_request:8 -> reasonkv.harness.replay (serving must not import harness)",
     ]
     assert util_violations(graph) == ["reasonkv.util.tables:1 -> reasonkv.util.formatting"]
     policy = {
@@ -438,6 +470,13 @@ def test_the_layer_rules_catch_upward_edges_the_facade_and_util_imports() -> Non
     assert forbidden_third_party(policy, "reasonkv.core.policy", "transformers") == [
         "reasonkv/core/policy/rope.py:2 imports transformers.utils"
     ]
+    chain = {"reasonkv.core.step": {"reasonkv.core.policy.rope": 3}, "reasonkv.core.policy.rope": {}}
+    assert reaches_third_party(policy, chain, ("reasonkv.core.step",), "transformers") == [
+        "reasonkv.core.step reaches transformers through reasonkv.core.step -> reasonkv.core.policy.rope"
+    ]
+    assert (
+        reaches_third_party(policy, {"reasonkv.core.step": {}}, ("reasonkv.core.step",), "transformers") == []
+    )
 
 
 def test_the_cycle_finder_finds_every_cycle_and_only_cycles() -> None:

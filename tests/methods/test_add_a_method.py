@@ -35,11 +35,11 @@ def test_the_documented_method_registers_and_keeps_the_smallest_keys(knorm_modul
     cache = make_cache(model, "knorm", budget=20, interval=4)  # 12 protected, 8 chosen
     layer = cache.layers[1]
     checked = []
-    compress = layer.compress
+    select = layer.step.select  # the step's selection, applied by the layer's storage
 
     def compress_and_check(keep: torch.Tensor, scores: torch.Tensor) -> None:
         index, norms = layer.token_index[0].clone(), layer.keys[0, :, : layer.used].norm(dim=-1)
-        compress(keep, scores)
+        select(keep, scores)
         for h in range(index.shape[0]):
             real = (index[h] != EMPTY).nonzero().flatten().tolist()
             protected = real[:4] + real[-8:]  # n_sink = 4, n_recent = 8
@@ -49,7 +49,7 @@ def test_the_documented_method_registers_and_keeps_the_smallest_keys(knorm_modul
             assert kept == expected
             checked.append(h)
 
-    layer.compress = compress_and_check
+    layer.step.select = compress_and_check
     greedy_loop(model, random_prompt(10, seed=5), cache, 40)
     assert len(checked) >= 4, "budget 20 + interval 4 over 50 tokens must compress more than once"
 

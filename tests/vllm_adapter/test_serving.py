@@ -125,7 +125,18 @@ def test_a_preempted_request_starts_again_from_its_tokens(tiny_model_dir, tmp_pa
             assert mine[:emitted] == theirs[:emitted], f"request of {n} prompt tokens"
 
 
-CHUNKED = [("snapkv", 64, {"interval": 32}), ("h2o", 48, {}), ("beaconkv", 64, {})]
+CHUNKED = [
+    ("snapkv", 64, {"interval": 32}),
+    ("snapkv-decode", 64, {"interval": 32, "phase": "decode"}),
+    ("rpc", 16, {"ratio": 2.0}),
+    ("rkv", 64, {"interval": 32}),
+    ("streaming", 64, {}),
+    ("h2o", 48, {}),
+    ("beaconkv", 64, {}),
+]
+"""Every schedule that counts from the prompt's end (SnapKV with phase="decode", RPC's prompt
+length) is here: before the step took the prompt's end from the engine, both counted from the
+first chunk's end. All methods, chunked, against one prefill: tests/serving/test_paged_request.py."""
 
 
 @pytest.mark.parametrize(("method", "budget", "knobs"), CHUNKED, ids=[c[0] for c in CHUNKED])
@@ -135,6 +146,7 @@ def test_chunked_prefill_keeps_what_one_prefill_keeps(
     """Prompts of 150 to 230 tokens prefilled 64 tokens a step: compression waits for the prompt's
     last chunk, and the kept tokens and outputs equal the HF path's one-forward prefill."""
     lengths = [150, 190, 230]
+    method = method.removesuffix("-decode")
     settings = {"method": method, "budget": budget, **knobs}
     spec = {"model": tiny_model_dir, "prompts": prompts(lengths, seed=4), "max_tokens": 60}
     engine = run_engine({**spec, "reasonkv": settings, "max_num_batched_tokens": 64}, tmp_path, method)

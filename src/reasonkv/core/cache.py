@@ -20,9 +20,7 @@ from transformers.cache_utils import Cache
 
 from reasonkv.core.layer import GROWTH_CHUNK, CompressedLayer, another_sequence
 from reasonkv.core.memory_meter import MemoryMeter, held_bytes
-from reasonkv.core.policy.contract import HeadAllocator, Scorer
-from reasonkv.core.policy.schedules import Schedule
-from reasonkv.core.quantize import KVFormat
+from reasonkv.core.step import LayerPolicy
 from reasonkv.core.timing import NO_TIMER, StepTimer
 
 __all__ = [
@@ -114,25 +112,6 @@ class EventLog:
 def _event_data_bytes(event: CompressionEvent) -> int:
     tensors = [event.lengths] + ([] if event.rows is None else [event.rows])
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-@dataclass
-class LayerPolicy:
-    """The method, as every layer of one cache applies it: which tokens (scorer), when and
-    how many (schedule, head allocator), and what is never evicted (protection)."""
-
-    scorer: Scorer
-    schedule: Schedule
-    n_sink: int = 4
-    n_recent: int = 8
-    protect_prompt: bool = False
-    head_allocator: HeadAllocator | None = None
-    rope_inv_freq: torch.Tensor | None = None
-    """The model's RoPE inverse frequencies (rope scaling applied), for scorers that rotate
-    queries to another position (BeaconKV)."""
-    rope_attention_scaling: float = 1.0
-    kv_format: KVFormat | None = None
-    """How the layers store K/V (None or kv_bits 16: as the model computes them)."""
 
 
 FED_TAIL = 16

@@ -1,4 +1,4 @@
-"""CompressedLayer: one layer of a compressed cache, and the owner of its decode step.
+"""CompressedLayer: one layer of a compressed cache, the transformers storage under the one step.
 
 A forward of one attention layer goes through it three times, in this order:
 1. `update` (called by transformers through the cache) appends the new keys and values and
@@ -6,17 +6,16 @@ A forward of one attention layer goes through it three times, in this order:
    stored tokens.
 2. `before_attention` (reasonkv's attention function) marks this step's padding and returns
    the attention mask, built from the layer's own record of which token each slot holds.
-3. `after_attention` (the same function, once attention is done): the scorer sees this
-   forward's queries (`on_step`), the query window is updated, and if the schedule fires the
-   layer scores, splits the budget between heads, selects and evicts.
+3. `after_attention` (the same function, once attention is done) runs the layer's
+   `LayerStep` (core/step.py, the step every engine shares): the policies observe, the query
+   window is updated, and if the schedule fires the step scores, selects and hands the kept
+   selection back to this layer (`StepStorage`), which frees slots as holes or compacts.
 So the current step always attends to the pre-eviction cache.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -24,11 +23,9 @@ from transformers.cache_utils import CacheLayerMixin
 from reasonkv.core.kv_basis import QuantizationBasis
 from reasonkv.core.low_tier import LowTier, evicted
 from reasonkv.core.memory_meter import MemoryMeter, held_bytes
-from reasonkv.core.policy.base import EMPTY, Observation
-from reasonkv.core.policy.contract import HeadAllocator, PolicyState, Scorer, SplitRequest
-from reasonkv.core.policy.selection import evict_one, protected_mask, select_tokens
+from reasonkv.core.policy.base import EMPTY
 from reasonkv.core.quantized_storage import QuantizedKVStorage
-from reasonkv.core.query_window import QueryWindow
+from reasonkv.core.step import LayerStep
 from reasonkv.core.storage import KVStorage
 from reasonkv.core.timing import NO_TIMER, StepTimer
 
@@ -47,79 +44,10 @@ def another_sequence(held: int, detail: str) -> ValueError:
     )
 
 
-@dataclass
-class PolicyStates:
-    """The per-layer memory of each policy of a method (None where a policy keeps none)."""
-
-    scorer: PolicyState | None = None
-    schedule: PolicyState | None = None
-    head_allocator: PolicyState | None = None
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        for state in (self.scorer, self.schedule, self.head_allocator):
-            if state is not None:
-                state.select_rows(rows)
-
-
-def layer_observation(layer, queries, index, positions, scaling: float) -> Observation:
-    """What a scorer sees of one layer: these queries over the layer's stored tokens. `layer` is a
-    CompressedLayer or any layer that keeps the same fields (policy, token_index, token_state,
-    layer_idx, window, targets, states): a serving engine's request layer."""
-    policy = layer.policy
-    return Observation(
-        queries=queries,
-        query_index=index,
-        token_index=layer.token_index,
-        scaling=scaling,
-        state=layer.token_state,
-        layer_idx=layer.layer_idx,
-        query_positions=positions,
-        rope_inv_freq=policy.rope_inv_freq,
-        rope_attention_scaling=policy.rope_attention_scaling,
-        prompt_end=layer.window.prompt_end,
-        targets=layer.targets,
-        scorer_state=layer.states.scorer,
-    )
-
-
-class _View:
-    """The read-only `LayerView` policies get: live properties of the layer, no copies. It
-    refers to the layer weakly, so layer and view make no reference cycle and a dropped cache
-    frees its storage at once instead of at the next garbage collection."""
-
-    def __init__(self, layer: CompressedLayer):
-        self._ref = weakref.ref(layer)
-
-    @property
-    def _layer(self) -> CompressedLayer:
-        return self._ref()
-
-    layer_idx = property(lambda self: self._layer.layer_idx)
-    budgets = property(lambda self: self._layer.budgets)
-    plan = property(lambda self: self._layer.plan)
-    targets = property(lambda self: self._layer.targets)
-    token_index = property(lambda self: self._layer.token_index)
-    n_valid = property(lambda self: self._layer.n_valid)
-    live_upper = property(lambda self: self._layer.live_upper)
-    seen = property(lambda self: self._layer.seen)
-    n_recent = property(lambda self: self._layer.policy.n_recent)
-    n_sink = property(lambda self: self._layer.policy.n_sink)
-    n_query_heads = property(lambda self: self._layer.n_query_heads)
-    window = property(lambda self: self._layer.window)
-    scorer_states = property(lambda self: self._layer.scorer_states)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._layer.dtype
-
-    @property
-    def shape(self) -> tuple[int, int, int, torch.device]:
-        storage = self._layer.storage
-        b, h = storage.lengths.shape
-        return b, h, storage.head_dim, storage.device
-
-
 class CompressedLayer(CacheLayerMixin):
+    """One layer of a `CompressedCache`: its K/V storage (and low tier), growth, padding and
+    mask, and the `StepStorage` its `LayerStep` selects through."""
+
     is_sliding = False
     is_compileable = False
     is_croppable = False
@@ -134,25 +62,13 @@ class CompressedLayer(CacheLayerMixin):
     ):
         super().__init__()
         self.layer_idx = layer_idx
-        self.budgets = budgets.clone()  # [H] per-head budget of this layer
+        self._budgets = budgets.clone()  # [H] per-head budget of this layer
         self.policy = policy
-        self.plan = policy.schedule.plan([int(b) for b in self.budgets.tolist()])
-        self.targets = torch.tensor(self.plan.targets)  # [H], moved to the keys' device when they come
         # Every layer's scorer state, one list per cache: scorers batch work across layers (BeaconKV).
         self.scorer_states = [None] * (layer_idx + 1) if scorer_states is None else scorer_states
-        self.timer: StepTimer = NO_TIMER
+        self._timer: StepTimer = NO_TIMER
         self.meter = MemoryMeter() if meter is None else meter  # K/V bytes, shared by the cache's layers
         self.report: Callable[[int, int, torch.Tensor, torch.Tensor], None] | None = None
-        self.view = _View(self)
-        scorer: Scorer = policy.scorer
-        self._window_size = max(scorer.window, 1)
-        allocator_backlog = 0 if policy.head_allocator is None else policy.head_allocator.query_backlog
-        self._window_keep = max(self._window_size + scorer.query_backlog, allocator_backlog)
-        self._observes_steps = type(scorer).on_step is not Scorer.on_step
-        allocator = policy.head_allocator
-        self._allocator_observes = (
-            allocator is not None and type(allocator).on_step is not HeadAllocator.on_step
-        )
         self._reset_state()
 
     # transformers' CacheLayerMixin sets these to None; the storage owns them.
@@ -168,13 +84,12 @@ class CompressedLayer(CacheLayerMixin):
             self.low_tier.release()
         self.storage: KVStorage | None = None
         self.low_tier: LowTier | None = None  # what eviction drops, at low_bits (KVFormat.low_budget)
-        self.window = QueryWindow(self.policy.scorer.window_bits)
-        self.states = PolicyStates()
-        self._states_made = False
-        self.scorer_states[self.layer_idx] = None
-        self.seen = 0  # logical tokens seen, padding included
-        self.new_start = 0  # sequence index of the first token of the current step
-        self.live_upper = 0  # an upper bound of max_b sum_h n_valid, to skip the trigger check cheaply
+        budgets = getattr(self, "step", None)
+        budgets = self._budgets if budgets is None else budgets.budgets
+        self.step = LayerStep(
+            self.layer_idx, budgets, self.policy, self.scorer_states, self, timer=self._timer
+        )
+        self._live_upper = 0  # an upper bound of max_b sum_h n_valid, to skip the trigger check cheaply
         self.pending = False  # update() ran, after_attention() not yet
         self._new_valid: torch.Tensor | None = None
         self.compressions: torch.Tensor | None = None  # [B] compressions each row took part in
@@ -201,10 +116,42 @@ class CompressedLayer(CacheLayerMixin):
             self.storage = KVStorage(b, h, self.device, names, self.meter)
         if fmt is not None and fmt.low_budget:
             self.low_tier = LowTier(b, h, self.device, fmt, self.meter)
-        self.budgets = self.budgets.to(self.device)
-        self.targets = self.targets.to(self.device)
+        self.step.to(self.device)
         self.compressions = torch.zeros(b, dtype=torch.long, device=self.device)
         self.is_initialized = True
+
+    # ------------------------------------------------------------ the step's state, as read
+    budgets = property(lambda self: self.step.budgets)
+    plan = property(lambda self: self.step.plan)
+    targets = property(lambda self: self.step.targets)
+    view = property(lambda self: self.step)  # the LayerView the policies read
+    window = property(lambda self: self.step.window)
+    states = property(lambda self: self.step.states)
+    seen = property(lambda self: self.step.seen)
+    new_start = property(lambda self: self.step.new_start)
+    n_query_heads = property(lambda self: self.step.n_query_heads)
+    window_keep = property(lambda self: self.step.window_keep)
+    """The most queries the layer's window keeps: what its scorer reads, and its backlog."""
+
+    @property
+    def scorer_states(self) -> list:
+        """Every layer's scorer state, one list per cache (scorers batch work across layers)."""
+        return self._scorer_states
+
+    @scorer_states.setter
+    def scorer_states(self, states: list) -> None:
+        self._scorer_states = states
+        if getattr(self, "step", None) is not None:
+            self.step.scorer_states = states
+            states[self.layer_idx] = self.step.states.scorer
+
+    @property
+    def timer(self) -> StepTimer:
+        return self._timer
+
+    @timer.setter
+    def timer(self, timer: StepTimer) -> None:
+        self._timer = self.step.timer = timer
 
     # ------------------------------------------------------------ what it holds
     @property
@@ -224,14 +171,19 @@ class CompressedLayer(CacheLayerMixin):
         return None if self.storage is None else self.storage.n_valid
 
     @property
+    def live_upper(self) -> int:
+        return self._live_upper
+
+    @property
     def token_index(self) -> torch.Tensor | None:
         """[B, H, used] sequence index per stored slot (EMPTY: padding or a hole)."""
         return None if self.storage is None else self.storage.token_index[:, :, : self.storage.used]
 
     @property
-    def window_keep(self) -> int:
-        """The most queries the layer's window keeps: what its scorer reads, and its backlog."""
-        return self._window_keep
+    def shape(self) -> tuple[int, int, int, torch.device]:
+        storage = self.storage
+        b, h = storage.lengths.shape
+        return b, h, storage.head_dim, storage.device
 
     # The query window, as earlier code and tests read it.
     queries = property(lambda self: self.window.queries)
@@ -249,7 +201,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def _slack(self) -> int:
         """Tokens a head may gain after a compression before the next one fires."""
-        slack = self.policy.schedule.slack(self.view, self.states.schedule)
+        slack = self.step.slack()
         return GROWTH_CHUNK if slack is None else slack
 
     # ------------------------------------------------------- 1. update (append)
@@ -282,8 +234,8 @@ class CompressedLayer(CacheLayerMixin):
             capacity = needed + self._slack()
         storage.ensure_capacity(needed, min(capacity, needed + GROWTH_CHUNK), key_states, value_states)
         storage.append(key_states, value_states, self.seen)
-        self.live_upper += q * storage.lengths.shape[1]
-        self.new_start, self.seen = self.seen, self.seen + q
+        self._live_upper += q * storage.lengths.shape[1]
+        self.step.advance(q)
         self.pending = True
         if self.low_tier is not None:  # attention reads both tiers; the scorers, the main one
             return self.low_tier.attended(storage.read_keys(), storage.read_values())
@@ -310,7 +262,13 @@ class CompressedLayer(CacheLayerMixin):
     # ---------------------------------------------------------- 3. after attention
     def after_attention(self, query: torch.Tensor, positions: torch.Tensor | None, scaling: float) -> None:
         with self.timer.section("after_attention"):
-            self._after_attention(query, positions, scaling)
+            self.pending = False
+            rows = self.step.after_attention(query, positions, scaling, self._new_valid)
+            if rows is not None:
+                self.compressions += rows
+                self.n_compressions += 1
+                if self.report is not None:
+                    self.report(self.layer_idx, self.seen, self.storage.n_valid, rows)
             self._new_valid = None  # this step's padding, read: not held past the step
             self.storage.settle()
             if self.low_tier is not None:
@@ -321,107 +279,66 @@ class CompressedLayer(CacheLayerMixin):
         """Tell the meter what the layer now holds beside K/V (at the end of each step)."""
         self.meter.hold_beside(self.layer_idx, *held_bytes(self.beside_tensors()))
 
-    def _after_attention(self, query: torch.Tensor, positions: torch.Tensor | None, scaling: float) -> None:
-        self.pending = False
-        policy, storage = self.policy, self.storage
-        index, positions = self.window.label(query, self.new_start, self._new_valid, positions)
-        storage.record_positions(index, positions)
-        if not self._states_made:
-            self.n_query_heads = query.shape[1]
-            self._new_states()
-        keys = storage.read_keys()
-        if self._observes_steps or self._allocator_observes:
-            step = self._observation(query.detach(), index, positions, scaling)
-            if self._observes_steps:
-                with self.timer.section("on_step"):
-                    policy.scorer.on_step(step, keys)
-            if self._allocator_observes:
-                with self.timer.section("utility"):
-                    policy.head_allocator.on_step(step, keys, self.states.head_allocator)
-        self.window.keep(query, index, positions, self._window_keep)
-        schedule, view = policy.schedule, self.view
-        rows = schedule.rows_to_compress(view, self.states.schedule)
-        if rows is None:
-            return
-        obs = self._observation(*self.window.last(self._window_size), scaling)
-        values = storage.read_values()
-        with self.timer.section("score"):
-            scores = policy.scorer.score(obs, keys, values)
-        keep = schedule.keep(view, self.states.schedule)
-        if policy.head_allocator is not None:
-            request = SplitRequest(
-                keep.sum(-1), obs, scores, storage.n_valid, keys, policy.n_sink + policy.n_recent, rows
-            )
-            with self.timer.section("split"):
-                keep = policy.head_allocator.split(request, self.states.head_allocator)
-        keep = torch.where(rows[:, None], keep, storage.n_valid)
-        with self.timer.section("compress"):
-            self.compress(keep, scores)
-        self.compressions += rows
-        self.n_compressions += 1
-        if self.report is not None:
-            self.report(self.layer_idx, self.seen, storage.n_valid, rows)
-
-    def _new_states(self) -> None:
-        """Each policy's memory for this layer, made once the first forward's queries are labelled."""
-        policy = self.policy
-        self.states.scorer = policy.scorer.new_state(self.view)
-        self.states.schedule = policy.schedule.new_state(self.view)
-        if policy.head_allocator is not None:
-            self.states.head_allocator = policy.head_allocator.new_state(self.view)
-        self.scorer_states[self.layer_idx] = self.states.scorer
-        self._states_made = True
-
-    def _observation(self, queries, index, positions, scaling: float) -> Observation:
-        return layer_observation(self, queries, index, positions, scaling)
-
     def steps_until_compress(self) -> int | None:
         """Tokens one forward can take without passing this layer's next compression (None: never)."""
-        return self.policy.schedule.steps_until_compress(self.view, self.states.schedule)
+        return self.step.steps_until_compress()
 
     def steps_until_settle(self) -> int | None:
         """Tokens one forward can take before quantized storage moves a group out of its
         full-precision residual (None: full-precision storage, or nothing stored yet)."""
         return None if self.storage is None else self.storage.steps_until_settle()
 
-    # ------------------------------------------------------------- compression
-    def compress(self, keep: torch.Tensor, scores: torch.Tensor) -> None:
-        """Keep `keep[b, h]` tokens per head chosen by `scores` [B, H, used]; free the rest."""
-        policy, storage = self.policy, self.storage
-        index = self.token_index
-        protected = protected_mask(
-            index, policy.n_sink, policy.n_recent, self.window.prompt_end if policy.protect_prompt else None
-        )
-        hole_slots = self.plan.hole_slots
-        room = storage.used + self._slack() <= storage.capacity
-        if hole_slots and room:
-            # An every-step schedule's usual step: each head drops at most one token, and the
-            # holes still fit. Find it by argmin instead of ranking every token.
-            # Every protected token stays even past `keep` (select_tokens' rule), so a head whose
-            # protected tokens outnumber its budget drops only what is unprotected past them.
-            drop = (storage.n_valid - torch.maximum(keep, protected.sum(-1))).clamp(min=0)
-            most_dropped, longest = torch.stack([drop.max(), (storage.n_valid - drop).max()]).tolist()
-            if most_dropped <= 1 and storage.used - longest <= hole_slots:
-                victim = evict_one(scores, index, protected, drop > 0)
-                if self.low_tier is not None:
-                    self._to_low_tier(index.gather(2, victim.clamp(max=storage.used - 1)), victim, scores)
-                with self.timer.section("holes"):
-                    storage.evict_slot(victim)
-                self.live_upper = int(storage.n_valid.sum(-1).max())
-                return
-        slots, new_len = select_tokens(scores, index, keep, protected)
+    # ------------------------------------------------- the step's storage (StepStorage)
+    def record_positions(self, index: torch.Tensor, positions: torch.Tensor) -> None:
+        self.storage.record_positions(index, positions)
+
+    def read_keys(self) -> torch.Tensor:
+        return self.storage.read_keys()
+
+    def read_values(self) -> torch.Tensor:
+        return self.storage.read_values()
+
+    def _room(self) -> bool:
+        """Whether the slack still fits after this step's tokens (else compact to make it)."""
+        return self.storage.used + self._slack() <= self.storage.capacity
+
+    def single_evictions(self, keep: torch.Tensor, protected: torch.Tensor) -> torch.Tensor | None:
+        storage, hole_slots = self.storage, self.plan.hole_slots
+        if not (hole_slots and self._room()):
+            return None
+        # Every protected token stays even past `keep` (select_tokens' rule), so a head whose
+        # protected tokens outnumber its budget drops only what is unprotected past them.
+        drop = (storage.n_valid - torch.maximum(keep, protected.sum(-1))).clamp(min=0)
+        most_dropped, longest = torch.stack([drop.max(), (storage.n_valid - drop).max()]).tolist()
+        if most_dropped <= 1 and storage.used - longest <= hole_slots:
+            return drop > 0
+        return None
+
+    def evict_slot(self, victim: torch.Tensor, scores: torch.Tensor) -> None:
+        storage = self.storage
+        if self.low_tier is not None:
+            index = self.token_index
+            self._to_low_tier(index.gather(2, victim.clamp(max=storage.used - 1)), victim, scores)
+        with self.timer.section("holes"):
+            storage.evict_slot(victim)
+        self._live_upper = int(storage.n_valid.sum(-1).max())
+
+    def keep_slots(self, slots: torch.Tensor, new_len: torch.Tensor, scores: torch.Tensor) -> None:
+        storage = self.storage
         live = (
-            None if self.low_tier is None else self._to_low_tier(evicted(index, slots), None, scores, new_len)
+            None
+            if self.low_tier is None
+            else self._to_low_tier(evicted(self.token_index, slots), None, scores, new_len)
         )
         holes = storage.used - slots.shape[-1]  # slots not kept by the longest head
-        if holes <= hole_slots and room:
+        if holes <= self.plan.hole_slots and self._room():
             with self.timer.section("holes"):
                 storage.evict_in_place(slots, new_len)
         else:
-            capacity = slots.shape[-1] + min(self._slack() + hole_slots, GROWTH_CHUNK)
+            capacity = slots.shape[-1] + min(self._slack() + self.plan.hole_slots, GROWTH_CHUNK)
             with self.timer.section("compact"):
                 storage.compact(slots, new_len, capacity)
-        self.live_upper = int(new_len.sum(-1).max()) if live is None else live
+        self._live_upper = int(new_len.sum(-1).max()) if live is None else live
 
     def _to_low_tier(
         self, index: torch.Tensor, victim: torch.Tensor | None, scores: torch.Tensor, new_len=None
@@ -484,8 +401,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.low_tier is not None:
             self.low_tier.select_rows(rows)
         self.compressions = self.compressions.index_select(0, rows)
-        self.window.select_rows(rows)
-        self.states.select_rows(rows)
+        self.step.select_rows(rows)
         self._count_beside()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -522,8 +438,4 @@ class CompressedLayer(CacheLayerMixin):
         return self.storage.beside_tensors() + low + self._own_tensors()
 
     def _own_tensors(self) -> list[torch.Tensor]:
-        out = self.window.tensors() + [self.compressions, self.budgets, self.targets]
-        for state in (self.states.scorer, self.states.schedule, self.states.head_allocator):
-            if state is not None:
-                out += [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
-        return out
+        return self.step.tensors() + [self.compressions]

@@ -4,6 +4,10 @@ Queries are post-RoPE `[B, Hq, W, D]`, oldest first, with their sequence indices
 padding) and RoPE positions `[B, W]`. The first forward is the prompt: it fixes `prompt_end`.
 With `bits=8` the queries are held as int8 codes with a scale a query (core/policy/vector_codes)
 and decoded, in the model's dtype, when read.
+
+An engine that runs a layer's step once per request may let decode queries wait (`wait`): they
+join the window in one step when enough wait or when anything reads it, which keeps exactly what
+one `keep` a step would (the last `size` of the window and the queries, at once or one by one).
 """
 
 from __future__ import annotations
@@ -21,13 +25,29 @@ class QueryWindow:
         self._held: torch.Tensor | None = None  # [B, Hq, W, D]: the queries, or their codes
         self._scale: torch.Tensor | None = None  # [B, Hq, W, 1] with codes
         self._dtype: torch.dtype | None = None
-        self.query_index: torch.Tensor | None = None  # [B, W]
-        self.query_positions: torch.Tensor | None = None  # [B, W]
+        self._index: torch.Tensor | None = None  # [B, W]
+        self._positions: torch.Tensor | None = None  # [B, W]
         self.prompt_end: torch.Tensor | None = None  # [B] sequence index where generation starts
+        self._waiting: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (query, positions)
+        self._waiting_from = 0  # sequence index of the first waiting query
+        self._waiting_size = 0  # the `size` they join with
+
+    @property
+    def query_index(self) -> torch.Tensor | None:
+        """[B, W] sequence index of each kept query (-1: padding)."""
+        self._join()
+        return self._index
+
+    @property
+    def query_positions(self) -> torch.Tensor | None:
+        """[B, W] RoPE position of each kept query."""
+        self._join()
+        return self._positions
 
     @property
     def queries(self) -> torch.Tensor | None:
         """[B, Hq, W, D] the kept queries (decoded, when held as codes)."""
+        self._join()
         if self._scale is None:
             return self._held
         return decode_vectors(self._held, self._scale).to(self._dtype)
@@ -43,6 +63,7 @@ class QueryWindow:
     @property
     def size(self) -> int:
         """Queries kept (no decoding)."""
+        self._join()
         return 0 if self._held is None else self._held.shape[2]
 
     def label(
@@ -67,33 +88,61 @@ class QueryWindow:
         """Keep the last `size` queries of (the window, this forward's queries)."""
         if size <= 0:
             return
+        self._join()
         if self._held is None or query.shape[2] >= size:
             # Copies: a slice of a long prefill would keep all its queries alive.
             self.queries = query[:, :, -size:].detach().clone()
-            self.query_index = index[:, -size:].clone()
-            self.query_positions = positions[:, -size:].clone()
+            self._index = index[:, -size:].clone()
+            self._positions = positions[:, -size:].clone()
             return
         # The oldest go before the join, so the new tensors hold exactly what is kept (a slice
         # of the joined ones would keep a query more alive); codes join as codes.
-        drop = max(self.size + query.shape[2] - size, 0)
+        drop = max(self._held.shape[2] + query.shape[2] - size, 0)
         if self._scale is None:
             self._held = torch.cat([self._held[:, :, drop:], query.detach()], dim=2)
         else:
             codes, scale = encode_vectors(query.detach())
             self._held = torch.cat([self._held[:, :, drop:], codes], dim=2)
             self._scale = torch.cat([self._scale[:, :, drop:], scale], dim=2)
-        self.query_index = torch.cat([self.query_index[:, drop:], index], dim=1)
-        self.query_positions = torch.cat([self.query_positions[:, drop:], positions], dim=1)
+        self._index = torch.cat([self._index[:, drop:], index], dim=1)
+        self._positions = torch.cat([self._positions[:, drop:], positions], dim=1)
+
+    def wait(
+        self, query: torch.Tensor, first_index: int, positions: torch.Tensor | None, size: int, limit: int
+    ) -> None:
+        """Set a forward's queries aside, to join as `label` + `keep(size)` would: when `limit`
+        wait, when the forward has more than one query (a prompt chunk), or when read."""
+        if not self._waiting:
+            self._waiting_from, self._waiting_size = first_index, size
+        if len(self._waiting) + 1 >= limit or query.shape[2] > 1 or self.prompt_end is None:
+            self._waiting.append((query, positions))
+            self._join()
+            return
+        # A copy: an engine reuses its tensors, and a view of one row of a step with a long
+        # prefill chunk would keep the whole step's queries alive.
+        self._waiting.append((query.detach().clone(), None if positions is None else positions.clone()))
+
+    def _join(self) -> None:
+        if not self._waiting:
+            return
+        waiting, self._waiting = self._waiting, []
+        query = torch.cat([w[0] for w in waiting], dim=2) if len(waiting) > 1 else waiting[0][0]
+        positions = None
+        if waiting[0][1] is not None:
+            positions = torch.cat([w[1] for w in waiting], dim=-1) if len(waiting) > 1 else waiting[0][1]
+        index, positions = self.label(query, self._waiting_from, None, positions)
+        self.keep(query, index, positions, self._waiting_size)
 
     def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Kept queries [start, end) with their indices and positions (only those decoded)."""
+        self._join()
         if self._scale is None:
             queries = self._held[:, :, start:end]
         else:
             queries = decode_vectors(self._held[:, :, start:end], self._scale[:, :, start:end]).to(
                 self._dtype
             )
-        return queries, self.query_index[:, start:end], self.query_positions[:, start:end]
+        return queries, self._index[:, start:end], self._positions[:, start:end]
 
     def last(self, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The newest `n` kept queries with their indices and positions."""
@@ -102,7 +151,8 @@ class QueryWindow:
         return self.span(self.size - n, self.size)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        for name in ("_held", "_scale", "query_index", "query_positions", "prompt_end"):
+        self._join()
+        for name in ("_held", "_scale", "_index", "_positions", "prompt_end"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, rows.to(t.device)))
@@ -111,6 +161,7 @@ class QueryWindow:
         return self.query_tensors() + ([] if self.prompt_end is None else [self.prompt_end])
 
     def query_tensors(self) -> list[torch.Tensor]:
-        """The kept queries with their sequence indices and positions."""
-        ts = (self._held, self._scale, self.query_index, self.query_positions)
-        return [t for t in ts if t is not None]
+        """The kept queries with their sequence indices and positions (and those waiting)."""
+        ts = (self._held, self._scale, self._index, self._positions)
+        waiting = [t for w in self._waiting for t in w if t is not None]
+        return [t for t in ts if t is not None] + waiting

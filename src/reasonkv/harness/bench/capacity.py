@@ -43,8 +43,8 @@ def layer_allocations(prompt: int, n: int, trigger: int | None, target: int, hol
     """Storage reallocations of one layer through a prefill of `prompt` tokens and `n` decode
     steps, stepped with the arithmetic of `CompressedLayer.update` (grow to the trigger plus the
     hole slots, a chunk at a time; past the trigger, to what is needed plus the slack) and
-    `CompressedLayer.compress` (a hole, holes in place, or compaction into the kept tokens plus
-    the slack). For a layer whose heads all share one budget, one sequence, no padding: every
+    `CompressedLayer.keep_slots` / `evict_slot` (a hole, holes in place, or compaction into the
+    kept tokens plus the slack). For a layer whose heads all share one budget, one sequence, no padding: every
     head then holds the same tokens, so slots equal tokens until eviction leaves holes.
     trigger None: the layer never compresses (it grows a chunk past what it needs)."""
     slack = GROWTH_CHUNK if trigger is None else max(1, trigger - target)

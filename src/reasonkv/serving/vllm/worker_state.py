@@ -1,12 +1,12 @@
 """The worker's side of the adapter: every running request's policy state, and each step's batch.
 
 vLLM's model runner prepares a step (which requests, how many tokens each, their positions);
-the attention backend runs each layer; after a layer's attention this module hands each
-request's new queries to its `RequestLayer` and, when the policy compresses, compacts the
-request's slots in the paged cache. Positions stay logical (RoPE sees the true index); the
-physical length is the logical one less what was dropped, and the runner's `seq_lens` and slot
-mapping are shifted by that (`dropped`). The scheduler learns each new physical length from the
-step's output and frees the blocks past it (`hooks`).
+the attention backend runs each layer; after a layer's attention this module runs each
+request's `LayerStep` (the step transformers runs too) over its `PagedRequestStorage` and, when
+the policy compresses, writes the kept slots back into the paged cache. Positions stay logical
+(RoPE sees the true index); the physical length is the logical one less what was dropped, and
+the runner's `seq_lens` and slot mapping are shifted by that (`dropped`). The scheduler learns
+each new physical length from the step's output and frees the blocks past it (`hooks`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reasonkv.core.cache import LayerPolicy
 from reasonkv.core.models import ModelShape
+from reasonkv.core.step import LayerPolicy, LayerStep
 from reasonkv.methods.api import build_policy
-from reasonkv.serving.request_layer import RequestLayer
+from reasonkv.serving.paged_request import PENDING_QUERIES, PagedRequestStorage
 from reasonkv.serving.vllm.paged_kv import TileLayout
 from reasonkv.serving.vllm.settings import ServingSettings, request_settings
 
@@ -66,12 +66,30 @@ class RequestState:
     prompt_len: int
     budgets: torch.Tensor | None = None
     policy: LayerPolicy | None = None
-    layers: dict[int, RequestLayer] = field(default_factory=dict)
+    layers: dict[int, LayerStep] = field(default_factory=dict)
+    storages: dict[int, PagedRequestStorage] = field(default_factory=dict)  # the steps hold them weakly
     scorer_states: list = field(default_factory=list)
     dropped: int = 0
 
+    def layer(
+        self, layer_idx: int, head_dim: int, dtype: torch.dtype, device
+    ) -> tuple[LayerStep, PagedRequestStorage]:
+        """The step of this request's layer and its storage, made at the layer's first forward."""
+        step = self.layers.get(layer_idx)
+        if step is None:
+            budgets = self.budgets[layer_idx].to(device)
+            names = tuple(self.policy.scorer.state_names)
+            storage = self.storages[layer_idx] = PagedRequestStorage(
+                budgets.numel(), head_dim, names, dtype, device
+            )
+            step = self.layers[layer_idx] = LayerStep(
+                layer_idx, budgets, self.policy, self.scorer_states, storage,
+                prompt_end=self.prompt_len, query_wait=PENDING_QUERIES,
+            )  # fmt: skip
+        return step, self.storages[layer_idx]
+
     def physical_length(self) -> int:
-        lengths = {layer.length for layer in self.layers.values()}
+        lengths = {storage.length for storage in self.storages.values()}
         if len(lengths) != 1:
             raise RuntimeError(f"reasonkv: a request's layers hold different lengths {sorted(lengths)}")
         return lengths.pop()
@@ -162,48 +180,35 @@ class WorkerState:
                 state = self.requests[rid] = self._new_request(i)
             if state.policy is None:  # "reasonkv": false for this request
                 continue
-            request_layer = state.layers.get(layer_idx)
-            if request_layer is None:
-                request_layer = state.layers[layer_idx] = RequestLayer(
-                    layer_idx,
-                    state.budgets[layer_idx],
-                    state.policy,
-                    state.scorer_states,
-                    state.prompt_len,
-                    self.head_dim,
-                    query.dtype,
-                    query.device,
-                )
+            step, storage = state.layer(layer_idx, self.head_dim, query.dtype, query.device)
             blocks = batch.block_rows[i]
-            read: dict = {}
 
-            # Read at most once a layer and request, and only what a hook asks for; the defaults
-            # bind this iteration's request (the closure runs inside step()).
-            def read_kv(values: bool, rl=request_layer, blocks=blocks, read=read):
-                if "keys" not in read:  # the length at the first read: what this step holds
-                    read["length"] = rl.length
-                    read["keys"], read["values"] = layout.read(kv_cache, blocks, rl.length, values)
-                elif values and read["values"] is None:
-                    read["values"] = layout.read_values(kv_cache, blocks, read["length"])
-                return read["keys"], read["values"]
+            # The defaults bind this iteration's request (the storage calls them inside the step).
+            def read(length: int, values: bool, blocks=blocks):
+                if values:
+                    return None, layout.read_values(kv_cache, blocks, length)
+                return layout.read(kv_cache, blocks, length, False)
 
+            def write(keys: torch.Tensor, values: torch.Tensor, blocks=blocks) -> None:
+                layout.write(kv_cache, blocks, keys, values, layer)
+
+            storage.bind(read, write)
+            storage.extend(end - start)
+            step.advance(end - start)
             q = query[start:end].transpose(0, 1)[None]  # [1, Hq, q, D]
-            may_compress = batch.first_index[i] + (end - start) >= state.prompt_len
-            slots = request_layer.step(q, batch.positions[start:end], read_kv, scale, may_compress)
-            if slots is None:
+            step.after_attention(q, batch.positions[start:end][None], scale)
+            storage.unbind()
+            if not storage.compacted:
                 continue
-            keys, values = read_kv(True)
-            index = slots[..., None].expand(-1, -1, keys.shape[-1])
-            layout.write(kv_cache, blocks, keys[0].gather(1, index), values[0].gather(1, index), layer)
-            self.compressed[rid] = request_layer.length
+            self.compressed[rid] = storage.length
             if self.trace:
-                kept = request_layer.token_index[0].tolist()
+                kept = storage.token_index[0].tolist()
                 write_trace(
                     "kept",
                     request=rid,
                     prompt_len=state.prompt_len,
                     layer=layer_idx,
-                    seen=request_layer.seen,
+                    seen=step.seen,
                     kept=kept,
                 )
 

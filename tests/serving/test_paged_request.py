@@ -1,0 +1,215 @@
+"""The one decode step (`LayerStep`) over a request's paged slots (`PagedRequestStorage`, the
+storage vLLM's adapter gives it) keeps exactly what `CompressedLayer` keeps in transformers, fed
+the same queries, keys and values: the vLLM adapter's decisions are the HF path's, and what
+differs between the two engines is only where K/V live.
+
+The HF run is recorded layer by layer (each forward's new keys and values, its queries and
+positions, and the tokens each head holds afterwards); the same forwards are then replayed into
+one step per layer over a plain contiguous store that the storage's writes compact, whole or
+with the prompt cut into chunks as vLLM's chunked prefill feeds it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reasonkv
+from conftest import greedy_loop, random_prompt, tiny_model
+from reasonkv.core.layer import CompressedLayer
+from reasonkv.core.policy.base import EMPTY
+from reasonkv.core.step import LayerStep
+from reasonkv.serving.paged_request import PENDING_QUERIES, PagedRequestStorage, gather_slots
+
+METHODS = [
+    ("streaming", 24, {}),
+    ("h2o", 24, {}),
+    ("tova", 24, {}),
+    ("snapkv", 16, {"interval": 8}),
+    ("rkv", 16, {"interval": 8}),
+    ("random", 32, {}),
+    ("recent-query", 32, {}),
+    ("beaconkv", 32, {}),
+    ("initial-recent", 32, {}),
+    ("rpc", 8, {"ratio": 2.0}),
+    ("snapkv", 16, {"interval": 8, "phase": "decode"}),
+]
+
+
+def record(monkeypatch, model, method, budget, knobs, prompt_len=20, steps=60):
+    """Each layer's forwards: (keys, values, query, positions, held index per head)."""
+    forwards: dict[int, list] = {}
+    pending: dict[int, list] = {}
+    update, after = CompressedLayer.update, CompressedLayer.after_attention
+
+    def spy_update(self, key_states, value_states, *args, **kwargs):
+        pending[self.layer_idx] = [key_states.clone(), value_states.clone()]
+        return update(self, key_states, value_states, *args, **kwargs)
+
+    def spy_after(self, query, positions, scaling):
+        after(self, query, positions, scaling)
+        index = self.token_index[0]
+        held = [sorted(int(i) for i in row if i != EMPTY) for row in index]
+        pos = positions if positions is not None else torch.arange(self.new_start, self.seen)[None]
+        forwards.setdefault(self.layer_idx, []).append(
+            (*pending.pop(self.layer_idx), query.clone(), pos[0].clone(), held, scaling)
+        )
+
+    monkeypatch.setattr(CompressedLayer, "update", spy_update)
+    monkeypatch.setattr(CompressedLayer, "after_attention", spy_after)
+    cache = reasonkv.make_cache(model, method, budget, **knobs)
+    greedy_loop(model, random_prompt(prompt_len, seed=3), cache, steps)
+    monkeypatch.undo()
+    return cache, forwards
+
+
+class Request:
+    """One request's layer as vLLM's adapter runs it: the step over a paged storage, whose reads
+    and writes go to a contiguous store here (the engine's paged cache there)."""
+
+    def __init__(self, layer_idx: int, cache, states: list, prompt_end: int, wait: int = PENDING_QUERIES):
+        self.storage = PagedRequestStorage(
+            2, 16, tuple(cache.policy.scorer.state_names), torch.float32, "cpu"
+        )
+        self.step = LayerStep(
+            layer_idx, cache.budgets[layer_idx], cache.policy, states, self.storage,
+            prompt_end=prompt_end, query_wait=wait,
+        )  # fmt: skip
+        self.keys = self.values = None
+
+    def feed(self, new_k, new_v, query, positions, scaling) -> bool:
+        """One forward; whether it compressed."""
+        self.keys = new_k if self.keys is None else torch.cat([self.keys, new_k], dim=2)
+        self.values = new_v if self.values is None else torch.cat([self.values, new_v], dim=2)
+
+        def read(length: int, values: bool):
+            assert length == self.keys.shape[2]
+            return self.keys, (self.values if values else None)
+
+        def write(keys: torch.Tensor, values: torch.Tensor) -> None:
+            self.keys, self.values = keys[None], values[None]
+
+        self.storage.bind(read, write)
+        self.storage.extend(query.shape[2])
+        self.step.advance(query.shape[2])
+        self.step.after_attention(query, positions[None], scaling)
+        self.storage.unbind()
+        return self.storage.compacted
+
+    def held(self) -> list[list[int]]:
+        return [sorted(row) for row in self.storage.token_index[0].tolist()]
+
+
+def replay(request: Request, steps: list, chunk: int | None = None) -> int:
+    """Feed a recorded layer's forwards to `request` (the first one, the prompt, in chunks of
+    `chunk` tokens if given), asserting after each that it holds what the HF cache held and, in
+    the prompt's chunks, every token so far; returns the compressions."""
+    compressions = 0
+    first, *rest = steps
+    new_k, new_v, query, positions, held, scaling = first
+    n = query.shape[2]
+    for start in range(0, n, chunk or n):
+        end = min(start + (chunk or n), n)
+        compressions += request.feed(
+            new_k[:, :, start:end],
+            new_v[:, :, start:end],
+            query[:, :, start:end],
+            positions[start:end],
+            scaling,
+        )
+        if end < n:
+            assert request.held() == [list(range(end))] * 2, f"prompt chunk ending at {end}"
+    assert request.held() == held, "after the prompt"
+    for new_k, new_v, query, positions, held, scaling in rest:
+        compressions += request.feed(new_k, new_v, query, positions, scaling)
+        assert request.held() == held, f"layer {request.step.layer_idx} after token {request.step.seen}"
+    assert request.storage.length == request.keys.shape[2]
+    return compressions
+
+
+@pytest.mark.parametrize("chunk", [None, 8], ids=["one-prefill", "chunks-of-8"])
+@pytest.mark.parametrize(("method", "budget", "knobs"), METHODS, ids=lambda v: str(v))
+def test_the_paged_step_keeps_what_the_cache_keeps(monkeypatch, method, budget, knobs, chunk) -> None:
+    """Also with the 20-token prompt fed in chunks of 8: every schedule counts from the prompt's
+    true end (RPC's prompt length, SnapKV's phase="decode" count), whatever the chunking."""
+    model = tiny_model("llama")
+    cache, forwards = record(monkeypatch, model, method, budget, knobs)
+    states = [None] * len(forwards)
+    compressions = 0
+    for layer_idx, steps in forwards.items():
+        compressions += replay(Request(layer_idx, cache, states, prompt_end=20), steps, chunk)
+    assert compressions > 0, "the run never compressed: the comparison would prove nothing"
+
+
+def test_heads_that_keep_different_counts_are_refused() -> None:
+    """A block table holds every head of a layer at one length (a head allocator cannot run)."""
+    storage = PagedRequestStorage(2, 4, (), torch.float32, "cpu")
+    storage.extend(6)
+    slots = torch.tensor([[[0, 1, 2], [0, 1, 6]]])
+    with pytest.raises(RuntimeError, match="one count for every head"):
+        storage.keep_slots(slots, torch.tensor([[3, 2]]), torch.zeros(1, 2, 6))
+
+
+def test_kept_slots_are_gathered_head_by_head() -> None:
+    kv = torch.arange(2 * 5 * 3, dtype=torch.float32).view(2, 5, 3)
+    slots = torch.tensor([[0, 3], [1, 4]])
+    assert torch.equal(gather_slots(kv, slots), kv.gather(1, slots[..., None].expand(-1, -1, 3)))
+
+
+TIES = [("tova", 24, {}), ("snapkv", 16, {"interval": 8}), ("beaconkv", 32, {})]
+"""(H2O is not here: its sums over different numbers of steps do not tie. A tie-break reversed in
+the paged storage's selection fails all three.)"""
+
+
+@pytest.mark.parametrize(("method", "budget", "knobs"), TIES, ids=lambda v: str(v))
+def test_on_exact_ties_the_paged_step_keeps_what_the_cache_keeps(monkeypatch, method, budget, knobs) -> None:
+    """Zero queries make every attention weight equal, so every score ties exactly: which of the
+    tied tokens survive is then decided by tie-breaking alone. The HF path evicts every-step
+    methods one slot at a time into holes (`evict_one`) where the paged storage selects and
+    compacts (`select_tokens`); both must break ties the same way."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.zero_()
+    cache, forwards = record(monkeypatch, model, method, budget, knobs)
+    first = forwards[0][-1][2]  # the last forward's query of layer 0: all zero
+    assert not first.any(), "the queries must be zero for every score to tie"
+    assert replay(Request(1, cache, [None] * len(forwards), prompt_end=20), forwards[1]) > 0
+
+
+def test_waiting_decode_queries_join_the_window_as_step_by_step_keeps_would() -> None:
+    """A scorer that does not observe steps (SnapKV) lets decode queries wait before they join the
+    window; what the window then holds (queries, indices, positions) is what a window fed one
+    query a step holds, whenever it is read, and no more than PENDING_QUERIES wait. The engine may
+    reuse its tensors after the step: what waits must not change with them."""
+    from reasonkv.core.query_window import QueryWindow
+
+    model = tiny_model("llama")
+    cache = reasonkv.make_cache(model, "snapkv", 512, window=5)
+    request = Request(0, cache, [None], prompt_end=6)
+    step, window = request.step, request.step.window
+    reference = QueryWindow()
+    torch.manual_seed(0)
+    waited = 0
+    for i in range(3 * PENDING_QUERIES + 3):
+        q = 6 if i == 0 else 1  # the prompt, then one token a step
+        first = step.seen
+        query = torch.randn(1, 4, q, 16)
+        positions = torch.arange(first, first + q) + 100  # positions need not equal indices
+        engine_query, engine_positions = query.clone(), positions.clone()
+        assert not request.feed(
+            torch.randn(1, 2, q, 16), torch.randn(1, 2, q, 16), engine_query, engine_positions, 0.25
+        )
+        engine_query.zero_(), engine_positions.zero_()  # the engine's buffers, reused for the next step
+        index, pos = reference.label(query, first, None, positions[None])
+        reference.keep(query, index, pos, step.window_keep)
+        assert len(window._waiting) < PENDING_QUERIES
+        waited = max(waited, len(window._waiting))
+        if i % 11 == 10:  # now and then, more than PENDING_QUERIES steps apart: reading joins what waits
+            assert torch.equal(window.queries, reference.queries)
+            assert torch.equal(window.query_index, reference.query_index)
+            assert torch.equal(window.query_positions, reference.query_positions)
+            assert window._waiting == []
+    assert waited == PENDING_QUERIES - 1  # the cap was reached and joined, not only read away
+    assert request.storage.length == step.seen == request.keys.shape[2]
+    assert torch.equal(request.storage.token_index[0], torch.arange(step.seen).expand(2, -1))
