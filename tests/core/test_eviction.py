@@ -96,6 +96,28 @@ def test_streaming_keeps_exactly_the_sinks_and_the_newest_tokens() -> None:
     greedy_loop(model, random_prompt(PROMPT, seed=8), cache, NEW, after_step=check)
 
 
+def test_buffered_every_step_eviction_drops_evict_every_tokens_at_budget_plus_that() -> None:
+    """`evict_every=n`: a head grows to budget + n, then keeps exactly the sinks and the newest
+    budget - sinks tokens (StreamingLLM's choice), so its live tokens cycle budget .. budget + n
+    and the layer compresses once per n steps, not at every step."""
+    model = tiny_model("llama", "sdpa", 2)
+    n, n_sink = 4, 4
+    cache = reasonkv.make_cache(model, "streaming", BUDGET, n_sink=n_sink, evict_every=n)
+    assert cache.live_token_bound() == BUDGET + n - 1
+
+    def check(c, fed: int) -> None:
+        held = fed if fed < BUDGET + n else BUDGET + (fed - BUDGET) % n
+        expected = (
+            list(range(n_sink)) + list(range(fed - (held - n_sink), fed)) if held < fed else list(range(fed))
+        )
+        for layer in c.layers:
+            for head in range(2):
+                assert live_positions(layer, 0, head) == expected, fed
+
+    greedy_loop(model, random_prompt(PROMPT, seed=8), cache, NEW, after_step=check)
+    assert int(cache.layers[0].n_compressions) == (PROMPT + NEW - BUDGET) // n
+
+
 @pytest.mark.parametrize("method", ("tova", "snapkv"))
 def test_sinks_and_recent_window_survive_every_eviction(method: str) -> None:
     model = tiny_model("qwen2", "sdpa", 2)

@@ -193,3 +193,40 @@ def test_h2o_padded_batch_equals_rows_alone(model):
                 assert torch.allclose(
                     lb.token_state["h2o_acc"][r, h][live], la.token_state["h2o_acc"][0, h][live_a], atol=1e-5
                 )
+
+
+@pytest.mark.parametrize("evict_every", [1, 4])
+def test_sums_folded_every_few_steps_equal_sums_made_every_step(evict_every):
+    """fold_every=3: decode queries wait in the window and their attention is summed three at a
+    time or before scoring. Nothing is evicted while they wait, so after each fold the sums equal
+    those made at every step and every eviction keeps the same tokens, with every-step and with
+    buffered eviction, in a left-padded batch (a padding query never counts)."""
+    model = flat_llama()
+    ids, mask, _ = padded_prompts(seed=5)
+    caches = [make_cache(model, "h2o", budget=8, evict_every=evict_every, fold_every=n) for n in (1, 3)]
+    folds = 0
+    with torch.no_grad():
+        feeds = [ids.to(TEST_DEVICE)] * 2
+        masks = [mask.to(TEST_DEVICE)] * 2
+        for _ in range(25):
+            for i, cache in enumerate(caches):
+                logits = model(
+                    input_ids=feeds[i], attention_mask=masks[i], cache=cache, use_cache=True
+                ).logits
+                feeds[i] = logits[:, -1:].argmax(-1)
+                masks[i] = torch.cat([masks[i], torch.ones_like(feeds[i])], dim=1)
+            assert torch.equal(feeds[0], feeds[1])
+            for every, folded in zip(caches[0].layers, caches[1].layers, strict=True):
+                assert torch.equal(every.token_index, folded.token_index)
+                assert folded.states.scorer.pending < 3
+                if folded.states.scorer.pending == 0:
+                    folds += 1
+                    live = every.token_index != EMPTY
+                    torch.testing.assert_close(
+                        every.token_state["h2o_acc"][live],
+                        folded.token_state["h2o_acc"][live],
+                        rtol=1e-5,
+                        atol=1e-6,
+                    )
+    assert folds >= 10
+    assert caches[1].layers[0].window.size == 3  # the scored query and the two that may wait

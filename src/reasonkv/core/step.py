@@ -227,7 +227,9 @@ class LayerStep:
             storage.record_positions(index, positions)
             if self.observes_steps or self.allocator_observes:
                 step = self.observation(query.detach(), index, positions, scaling)
-                needs_keys = self.allocator_observes or policy.scorer.step_reads_keys
+                needs_keys = self.allocator_observes or policy.scorer.step_needs_keys(
+                    self.states.scorer, query.shape[2]
+                )
                 keys = storage.read_keys() if needs_keys else None
                 if self.observes_steps:
                     with self.timer.section("on_step"):

@@ -131,9 +131,14 @@ class Scorer:
         """This scorer's memory for one layer (None = it needs none); made at the layer's first forward."""
         return None
 
+    def step_needs_keys(self, state: PolicyState | None, q: int) -> bool:
+        """Whether this forward's `on_step` (q queries) reads `keys`: an engine whose K/V are not
+        at hand reads them only then (a scorer that sums its queries now and then says when)."""
+        return self.step_reads_keys
+
     def on_step(self, step: Observation, keys: torch.Tensor | None) -> None:
         """See every query of this forward ([B, Hq, q, D] in `step`) over the stored keys [B, H, T, D]
-        (None where `step_reads_keys` is false and the engine does not have them at hand)."""
+        (None where `step_needs_keys` is false and the engine does not have them at hand)."""
 
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """[B, H, T] scores for the stored keys [B, H, T, D]."""

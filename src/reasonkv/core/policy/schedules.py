@@ -111,24 +111,38 @@ class EveryStep(Schedule):
     (at least 1): in between, an evicted token's slot becomes a hole (EMPTY: never attended,
     scored or kept), so a decode step does not gather the whole cache into fresh storage.
     Storage holds at most budget + k slots (≤ 1/8 more); every head attends to exactly
-    `budget` tokens either way."""
+    `budget` tokens either way.
+
+    `evict_every` = n > 1 buffers the eviction, as BeaconKV's paper does at B_max: a head
+    grows to budget + n tokens, then n go at once (one scoring and one selection every n steps
+    instead of every step). It attends to up to n more tokens than the budget and holds them:
+    an engine without holes (vLLM's block table) rewrites its cache once per n steps instead
+    of at every step."""
 
     name: str = "every-step"
     compact_every: int = tokens(16)
+    evict_every: int = tokens(1)
     evicts_every_step: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.compact_every < 1:
             raise ValueError(f"compact_every must be at least 1, got {self.compact_every}")
+        if self.evict_every < 1:
+            raise ValueError(f"evict_every must be at least 1, got {self.evict_every}")
 
     def trigger(self, budget: int) -> int:
-        return budget + 1
+        return budget + self.evict_every
 
     def hole_slots(self, budget: int) -> int:
         return max(1, min(self.compact_every, budget // 8)) - 1
 
     def describe(self) -> str:
-        return "every-step" if self.compact_every == 1 else f"every-step (compact every {self.compact_every})"
+        base = "every-step" if self.compact_every == 1 else f"every-step (compact every {self.compact_every})"
+        return (
+            base
+            if self.evict_every == 1
+            else f"{base}, evicting {self.evict_every} at budget + {self.evict_every}"
+        )
 
 
 @dataclass
