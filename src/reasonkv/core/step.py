@@ -112,6 +112,14 @@ class StepStorage(Protocol):
         """Keep slots [R, H, K] (ascending, padded with T), `new_len` [R, H] of them a head."""
 
 
+def window_keep(policy: LayerPolicy) -> int:
+    """The most queries a layer's window keeps a head: what the scorer reads, and the scorer's
+    or the head allocator's backlog."""
+    allocator = policy.head_allocator
+    allocator_backlog = 0 if allocator is None else allocator.query_backlog
+    return max(max(policy.scorer.window, 1) + policy.scorer.query_backlog, allocator_backlog)
+
+
 class LayerStep:
     """The decode step of one layer, and the read-only `LayerView` its policies get.
 
@@ -155,9 +163,7 @@ class LayerStep:
         scorer: Scorer = policy.scorer
         allocator = policy.head_allocator
         self.window_size = max(scorer.window, 1)
-        allocator_backlog = 0 if allocator is None else allocator.query_backlog
-        self.window_keep = max(self.window_size + scorer.query_backlog, allocator_backlog)
-        """The most queries the window keeps: what the scorer reads, and its backlog."""
+        self.window_keep = window_keep(policy)
         self.observes_steps = type(scorer).on_step is not Scorer.on_step
         self.allocator_observes = (
             allocator is not None and type(allocator).on_step is not HeadAllocator.on_step

@@ -131,6 +131,11 @@ class Scorer:
         """This scorer's memory for one layer (None = it needs none); made at the layer's first forward."""
         return None
 
+    def state_vectors(self, n_query_heads: int, n_kv_heads: int) -> int:
+        """Head-dim vectors this scorer's state holds per layer and sequence beside the query
+        window (0: none): what its knobs make it hold, for an engine that bounds it up front."""
+        return 0
+
     def step_needs_keys(self, state: PolicyState | None, q: int) -> bool:
         """Whether this forward's `on_step` (q queries) reads `keys`: an engine whose K/V are not
         at hand reads them only then (a scorer that sums its queries now and then says when)."""

@@ -8,13 +8,17 @@ hook passes straight through.
 from __future__ import annotations
 
 import logging
+import sys
 from types import SimpleNamespace
 
 import torch
+from vllm.exceptions import VLLMValidationError
 
 from reasonkv.core.models import ModelShape, model_shape
 from reasonkv.methods.api import build_policy
 from reasonkv.methods.knobs import KnobError
+from reasonkv.serving.paged_request import PENDING_QUERIES
+from reasonkv.serving.request_limits import check_fits
 from reasonkv.serving.vllm.settings import CONFIG_KEY, read_settings, request_settings
 from reasonkv.serving.vllm.worker_state import WorkerState
 
@@ -35,16 +39,20 @@ def worker_state(runner) -> WorkerState | None:
 
 def check_request(vllm_config, params) -> None:
     """A request's own settings (`SamplingParams.extra_args["reasonkv"]`), checked where vLLM
-    checks its parameters (the front end): a bad one is refused as that request's error."""
+    checks its parameters (the front end): a bad one is refused as that request's error, a
+    `VLLMValidationError` (the type vLLM's OpenAI server answers with HTTP 400 and its message)."""
     extra_args = getattr(params, "extra_args", None)
     if not isinstance(extra_args, dict) or CONFIG_KEY not in extra_args:
         return
     engine = read_settings(vllm_config.additional_config)
     if engine is None:  # off: vLLM ignores what it does not know, and so does the plugin
         return
-    settings = request_settings(engine, extra_args)
-    if settings is not None:
-        _check_policy(settings, vllm_config)
+    try:
+        settings = request_settings(engine, extra_args)
+        if settings is not None:
+            _check_policy(settings, vllm_config)
+    except KnobError as err:
+        raise VLLMValidationError(f"reasonkv: {err}") from None
 
 
 def is_on(vllm_config) -> bool:
@@ -90,7 +98,33 @@ def _build(vllm_config) -> WorkerState | None:
 
 
 def check_engine(vllm_config) -> None:
-    """Refuse what the adapter cannot run (one line each) and turn off what it replaces."""
+    """Refuse what the adapter cannot run (one line each) and turn off what it replaces.
+
+    vLLM checks its config inside pydantic, which wraps the refusal in a ValidationError and its
+    traceback; where nothing catches it (`vllm serve`), the process ends printing only
+    `reasonkv: <reason>` (a caller in Python still gets the ValueError)."""
+    try:
+        _check_engine(vllm_config)
+    except KnobError as err:
+        logger.error("reasonkv: %s", err)
+        _end_in_one_line(str(err))
+        raise
+
+
+def _end_in_one_line(reason: str) -> None:
+    """If an uncaught exception carrying `reason` ends this process, print one line for it."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:
+        if reason in str(value):
+            print(f"reasonkv: {reason}", file=sys.stderr)
+        else:
+            previous(kind, value, traceback)
+
+    sys.excepthook = hook
+
+
+def _check_engine(vllm_config) -> None:
     settings = read_settings(vllm_config.additional_config)
     if settings is None:
         return
@@ -117,9 +151,12 @@ def check_engine(vllm_config) -> None:
 
 
 def _check_policy(settings, vllm_config) -> None:
-    """Build the policy once where the config is read, so its own checks run there (KnobError)."""
+    """Build the policy once where the config is read, so its own checks run there, and check
+    that the engine can hold what it makes a request hold (KnobError)."""
     shape = model_shape_of(vllm_config.model_config.hf_config)
-    build_policy(settings.method, settings.budget, shape, None, 1.0, **settings.knobs)
+    _, policy = build_policy(settings.method, settings.budget, shape, None, 1.0, **settings.knobs)
+    max_len = vllm_config.model_config.max_model_len
+    check_fits(settings.method, settings.budget, settings.knobs, policy, shape, max_len, PENDING_QUERIES)
 
 
 def _unsupported_model(model) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,10 @@ from reasonkv.serving.vllm.paged_kv import TileLayout
 from reasonkv.serving.vllm.settings import ServingSettings, request_settings
 
 TRACE_KINDS = ("kept", "release", "step", "preempt")
+
+POLICIES_HELD = 64
+"""Per-request settings whose built policy a worker keeps for reuse (least recently used go
+first; a running request holds its own): distinct settings never grow the worker's memory."""
 
 
 def trace_path(kind: str) -> str | None:
@@ -117,7 +122,7 @@ class WorkerState:
     ) -> None:
         self.settings, self.shape, self.rope = settings, shape, rope
         self.n_layers, self.block_size, self.head_dim = shape.n_layers, block_size, shape.head_dim
-        self._policies: dict[str, tuple[torch.Tensor, LayerPolicy]] = {}
+        self._policies: OrderedDict[str, tuple[torch.Tensor, LayerPolicy]] = OrderedDict()
         self.policy_for(settings)  # the engine's own, which most requests use: built at start
         self.requests: dict[str, RequestState] = {}
         self.batch: StepBatch | None = None
@@ -129,12 +134,16 @@ class WorkerState:
     def policy_for(self, settings: ServingSettings) -> tuple[torch.Tensor, LayerPolicy]:
         """Budgets and policy for these settings, built once (requests may bring their own)."""
         key = json.dumps([settings.method, settings.budget, settings.knobs], sort_keys=True, default=str)
-        if key not in self._policies:
-            inv_freq, scaling = self.rope
-            self._policies[key] = build_policy(
-                settings.method, settings.budget, self.shape, inv_freq, scaling, **settings.knobs
-            )
-        return self._policies[key]
+        if key in self._policies:
+            self._policies.move_to_end(key)
+            return self._policies[key]
+        inv_freq, scaling = self.rope
+        knobs = settings.knobs
+        built = build_policy(settings.method, settings.budget, self.shape, inv_freq, scaling, **knobs)
+        self._policies[key] = built
+        if len(self._policies) > POLICIES_HELD:
+            self._policies.popitem(last=False)
+        return built
 
     def _new_request(self, i: int) -> RequestState:
         batch = self.batch

@@ -1,0 +1,55 @@
+"""What one request may hold in a fixed-memory engine: each rule at its exact boundary."""
+
+from __future__ import annotations
+
+import pytest
+
+from reasonkv.core.models import ModelShape
+from reasonkv.methods.api import build_policy
+from reasonkv.methods.knobs import KnobError
+from reasonkv.serving.request_limits import check_fits
+
+# 4 query heads over 2 KV heads: one uncompressed request of 1024 tokens holds 2 * 2 * 1024 =
+# 4096 key and value vectors a layer.
+SHAPE = ModelShape("tiny", "llama", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16)
+MAX_LEN = 1024
+WAIT = 8
+
+
+def fits(method: str, budget: int, **knobs) -> None:
+    _, policy = build_policy(method, budget, SHAPE, None, 1.0, **knobs)
+    check_fits(method, budget, knobs, policy, SHAPE, MAX_LEN, WAIT)
+
+
+def test_a_token_count_knob_is_at_most_max_model_len() -> None:
+    fits("beaconkv", 64, upkeep_every=16)
+    with pytest.raises(KnobError, match=r"'beacon_max' of 'beaconkv' counts tokens: .*\(1024\), got 100000"):
+        fits("beaconkv", 64, beacon_max=100000)
+    with pytest.raises(KnobError, match=r"'interval' of 'snapkv' counts tokens: .*got 1025"):
+        fits("snapkv", 64, interval=1025)
+
+
+def test_vectors_beside_kv_are_at_most_one_uncompressed_requests() -> None:
+    # BeaconKV holds beacon_max beacons a query head, and 16 recent + 8 queued + 8 waiting
+    # queries a query head: 4 * (beacon_max + 32) <= 4096 while beacon_max <= 992.
+    fits("beaconkv", 64, beacon_max=992)
+    with pytest.raises(KnobError, match=r"holds 4100 vectors a layer beside its K/V .*\(4096\)"):
+        fits("beaconkv", 64, beacon_max=993)
+    # One query window a query head: 4 * (window + 8 waiting) <= 4096 while window <= 1016.
+    fits("snapkv", 64, window=1016)
+    with pytest.raises(KnobError, match="holds 4100 vectors"):
+        fits("snapkv", 64, window=1017)
+
+
+def test_a_budget_that_can_never_evict_is_refused() -> None:
+    fits("streaming", 1023)  # evicts one token when a head holds 1024
+    with pytest.raises(KnobError, match=r"budget 1024 never evicts .*'streaming'"):
+        fits("streaming", 1024)
+    fits("snapkv", 896)  # compresses at 896 + 128 = 1024 tokens
+    with pytest.raises(KnobError, match="budget 897 never evicts"):
+        fits("snapkv", 897)
+    # Counted from the prompt's end, it compresses after 128 generated tokens whatever it holds,
+    # so it evicts while the budget is below the length.
+    fits("snapkv", 1000, phase="decode")
+    with pytest.raises(KnobError, match="budget 1024 never evicts"):
+        fits("snapkv", 1024, phase="decode")
