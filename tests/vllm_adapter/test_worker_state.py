@@ -13,7 +13,8 @@ import torch  # noqa: E402
 
 from reasonkv.core.models import ModelShape  # noqa: E402
 from reasonkv.serving.vllm.settings import ServingSettings  # noqa: E402
-from reasonkv.serving.vllm.worker_state import POLICIES_HELD, WorkerState  # noqa: E402
+from reasonkv.serving.vllm.worker_state import POLICIES_HELD, StepBatch, WorkerState  # noqa: E402
+from sync_helpers import SyncRecorder  # noqa: E402
 
 SHAPE = ModelShape("tiny", "llama", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16)
 
@@ -42,3 +43,26 @@ def test_ten_thousand_distinct_settings_hold_the_workers_memory_flat() -> None:
     assert again is state.policy_for(ServingSettings("snapkv", 64 + 9_999, {"interval": 16}))
     rebuilt = state.policy_for(ServingSettings("snapkv", 64, {"interval": 16}))
     assert rebuilt is not engine and torch.equal(rebuilt[0], engine[0])
+
+
+def test_the_attention_call_only_copies_the_queries() -> None:
+    """Inside vLLM's attention call the adapter copies the layer's queries and does nothing
+    else: no policy runs, nothing waits for the device; the policy runs after the forward, over
+    the copy (the engine may reuse its query buffer), and a layer whose count is not the step's
+    is an error, never a silent skip."""
+    rope = (1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)), 1.0)
+    state = WorkerState(ServingSettings("snapkv", 64, {"interval": 16}), SHAPE, rope, block_size=16)
+    blocks = [torch.tensor([0]), torch.tensor([1])]
+    state.batch = StepBatch(["a", "b"], [0, 0], [3, 1], [3, 1], [None, None], blocks, torch.arange(4))
+    query = torch.randn(4, 4, 16)
+    expected = query.clone()
+    with SyncRecorder() as recorder:
+        state.hold_queries(0, None, query, torch.empty(0), 0.25)
+        state.hold_queries(1, None, query, torch.empty(0), 0.25)
+    assert recorder.calls == []
+    assert state.requests == {}
+    query.add_(1.0)
+    assert torch.equal(state.held[0].queries[:4], expected)
+    state.held[0].tokens = 3
+    with pytest.raises(RuntimeError, match="layer 0 held 3 queries, the step has 4"):
+        state.after_forward()

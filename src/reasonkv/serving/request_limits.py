@@ -40,11 +40,8 @@ def check_fits(
                 f"parameter {name!r} of {method!r} counts tokens: at most max_model_len "
                 f"({max_model_len}), got {value}"
             )
-    schedule = policy.schedule
-    trigger = schedule.trigger(budget)
-    if schedule.target(budget) >= max_model_len or (
-        not schedule.from_prompt_end and (trigger is None or trigger > max_model_len)
-    ):
+    first = policy.schedule.first_eviction(budget, policy.n_recent)
+    if first is None or first > max_model_len:
         raise KnobError(
             f"budget {budget} never evicts a token of a request of at most max_model_len "
             f"({max_model_len}) tokens with {method!r}: lower it, or serve without reasonkv"

@@ -42,6 +42,14 @@ class Schedule:
     def target(self, budget: int) -> int:
         return budget
 
+    def first_eviction(self, budget: int, n_recent: int) -> int | None:
+        """The fewest tokens a request holds when it first loses one (None: never), for a
+        serving engine to refuse a budget its longest request can never reach."""
+        trigger = self.trigger(budget)
+        if trigger is None:
+            return None
+        return self.target(budget) + 1 if self.from_prompt_end else max(trigger, self.target(budget) + 1)
+
     def hole_slots(self, budget: int) -> int:
         """Evicted tokens that may stay in storage as holes (masked, never attended or scored)
         before a layer whose smallest head budget is `budget` is compacted; 0 = compact at
@@ -275,6 +283,10 @@ class PeriodicRatio(Schedule):
         # window are kept on top of the selected tokens, so no budget is below the protected set.
         self.period(budget)
         return 1 << 62
+
+    def first_eviction(self, budget: int, n_recent: int) -> int:
+        """A one-token prompt and P + R generated tokens: the first period's selection."""
+        return 1 + n_recent + self.period(budget)[0]
 
     def describe(self) -> str:
         p = "budget·ratio" if self.interval is None else str(self.interval)

