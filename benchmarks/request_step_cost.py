@@ -79,10 +79,10 @@ class Engine:
         the adapter's step after the forward (what `execute_model`'s wrapper calls)."""
         requests = len(self.ids)
         positions = torch.cat([torch.arange(n, n + n_tokens) for n in self.logical])
-        self.state.batch = StepBatch(
+        self.state.begin_step(StepBatch(
             self.ids, list(self.logical), [n_tokens] * requests, [prompt_len] * requests,
             [None] * requests, self.blocks, positions,
-        )  # fmt: skip
+        ))  # fmt: skip
         total = n_tokens * requests
         for layer_idx, cache in enumerate(self.caches):
             q = torch.randn(total, SHAPE.n_heads, SHAPE.head_dim, generator=self.gen).to(self.dtype)

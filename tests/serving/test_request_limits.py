@@ -42,31 +42,37 @@ def test_vectors_beside_kv_are_at_most_one_uncompressed_requests() -> None:
 
 
 def test_a_budget_that_can_never_evict_is_refused() -> None:
-    fits("streaming", 1023)  # evicts one token when a head holds 1024
-    with pytest.raises(KnobError, match=r"budget 1024 never evicts .*'streaming'"):
-        fits("streaming", 1024)
-    fits("snapkv", 896)  # compresses at 896 + 128 = 1024 tokens
-    with pytest.raises(KnobError, match="budget 897 never evicts"):
-        fits("snapkv", 897)
-    # Counted from the prompt's end, it compresses after 128 generated tokens whatever it holds,
-    # so it evicts while the budget is below the length.
-    fits("snapkv", 1000, phase="decode")
-    with pytest.raises(KnobError, match="budget 1024 never evicts"):
-        fits("snapkv", 1024, phase="decode")
+    # A layer holds at most max_model_len - 1 = 1023 tokens: the last sampled token is never fed.
+    fits("streaming", 1022)  # evicts one token when a head holds 1023
+    with pytest.raises(KnobError, match=r"budget 1023 never evicts .*'streaming'"):
+        fits("streaming", 1023)
+    fits("snapkv", 895)  # compresses at 895 + 128 = 1023 tokens
+    with pytest.raises(KnobError, match="budget 896 never evicts"):
+        fits("snapkv", 896)
+    # Counted from the prompt's end, it compresses every 128 generated tokens whatever it holds:
+    # it evicts while budget + 1 and a one-token prompt + interval fit.
+    fits("snapkv", 1022, phase="decode")
+    with pytest.raises(KnobError, match="budget 1023 never evicts"):
+        fits("snapkv", 1023, phase="decode")
+    fits("snapkv", 64, phase="decode", interval=1022)
+    with pytest.raises(KnobError, match="budget 64 never evicts"):
+        fits("snapkv", 64, phase="decode", interval=1023)
     # Buffered every-step eviction evicts when a head holds budget + evict_every tokens.
-    fits("streaming", 960, evict_every=64)
-    with pytest.raises(KnobError, match="budget 961 never evicts"):
-        fits("streaming", 961, evict_every=64)
+    fits("streaming", 959, evict_every=64)
+    with pytest.raises(KnobError, match="budget 960 never evicts"):
+        fits("streaming", 960, evict_every=64)
 
 
 def test_rpc_evicts_once_a_prompt_and_one_period_fill_the_context() -> None:
     # RPC's first selection comes after P + R generated tokens (R = 32 recent): with a one-token
-    # prompt, P + 33 <= 1024 while P = 4 * budget <= 991 (or interval <= 991). Its budget is
+    # prompt, 1 + 32 + P <= 1023 while P = 4 * budget <= 990 (or interval <= 990). Its budget is
     # P/c, far below what it keeps, so "budget >= max_model_len" would be the wrong rule.
     fits("rpc", 16)
     fits("rpc", 247)
     with pytest.raises(KnobError, match="budget 248 never evicts"):
         fits("rpc", 248)
-    fits("rpc", 16, interval=991)
+    fits("rpc", 16, interval=990)
     with pytest.raises(KnobError, match="budget 16 never evicts"):
-        fits("rpc", 16, interval=992)
+        fits("rpc", 16, interval=991)
+    with pytest.raises(KnobError, match="budget 16 never evicts"):  # P/c = P: keeps every token
+        fits("rpc", 16, ratio=1.0)

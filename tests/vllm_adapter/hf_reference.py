@@ -22,24 +22,37 @@ import torch
 
 def selection_margin(step, index: torch.Tensor, scores: torch.Tensor, kept: list[list[int]]) -> float:
     """The relative score gap at the keep boundary of one compression (row 0), the smallest over
-    heads; inf where a head evicted nothing or kept nothing it chose."""
+    heads; inf where no head decided anything.
+
+    Only decided tokens count: protected ones, and scores a scorer forces (non-finite, or the
+    float32 maximum that keeps the newest) are kept whatever the kernels compute. A plateau of
+    equal scores split by the boundary (max-pooled scores) is broken by `select_tokens`' rule in
+    both engines alike; the decision there is against the nearest distinct value."""
     from reasonkv.core.policy.base import EMPTY
     from reasonkv.core.policy.selection import protected_mask
 
     policy = step.policy
     prompt_end = step.window.prompt_end if policy.protect_prompt else None
     protected = protected_mask(index, policy.n_sink, policy.n_recent, prompt_end)[0]
+    forced = torch.finfo(torch.float32).max
     margin = float("inf")
     for h, held in enumerate(kept):
         tokens, head = index[0, h], scores[0, h].double()
-        head = torch.nan_to_num(head, posinf=1e300, neginf=-1e300)
-        chosen = torch.tensor([int(t) in set(held) for t in tokens.tolist()])
-        free = (tokens != EMPTY) & ~protected[h]
+        held_set = set(held)
+        chosen = torch.tensor([int(t) in held_set for t in tokens.tolist()])
+        free = (tokens != EMPTY) & ~protected[h] & torch.isfinite(head) & (head.abs() < forced)
         won, lost = head[free & chosen], head[free & ~chosen]
         if won.numel() == 0 or lost.numel() == 0:
             continue
-        scale = head[free].abs().max().clamp_min(1e-30)
-        margin = min(margin, float((won.min() - lost.max()) / scale))
+        low, high = won.min(), lost.max()
+        if low == high:
+            above, below = won[won > low], lost[lost < high]
+            gaps = [above.min() - low] if above.numel() else []
+            gaps += [high - below.max()] if below.numel() else []
+            gap = min(gaps) if gaps else torch.tensor(float("inf"), dtype=torch.double)
+        else:
+            gap = low - high
+        margin = min(margin, float(gap / torch.maximum(low.abs(), high.abs()).clamp_min(1e-30)))
     return margin
 
 

@@ -23,7 +23,17 @@ class Model(SimpleNamespace):
         return self.sliding_window
 
 
-def config(settings=SNAPKV, *, tp=1, pp=1, cache_dtype="auto", speculative=None, max_len=1024, **model):
+def config(
+    settings=SNAPKV,
+    *,
+    tp=1,
+    pp=1,
+    cache_dtype="auto",
+    speculative=None,
+    kv_transfer=None,
+    max_len=1024,
+    **model,
+):
     """A VllmConfig's attributes the checks read: a tiny Llama of 4 query heads over 2 KV heads."""
     hf = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
     kinds = {"runner_type": "generate", "use_mla": False, "is_hybrid": False, "is_attention_free": False,
@@ -33,6 +43,7 @@ def config(settings=SNAPKV, *, tp=1, pp=1, cache_dtype="auto", speculative=None,
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         cache_config=SimpleNamespace(cache_dtype=cache_dtype, enable_prefix_caching=True),
         speculative_config=speculative,
+        kv_transfer_config=kv_transfer,
         model_config=Model(hf_config=hf, max_model_len=max_len, **kinds),
     )
 
@@ -49,6 +60,7 @@ def keep_excepthook(monkeypatch):
         ({"pp": 2}, "runs one worker"),
         ({"cache_dtype": "fp8"}, "kv_cache_dtype 'fp8'"),
         ({"speculative": object()}, "does not run with speculative decoding"),
+        ({"kv_transfer": object()}, "does not run with a KV connector"),
         ({"sliding_window": 512}, "sliding-window layers"),
         ({"use_mla": True}, "multi-head latent attention"),
         ({"is_hybrid": True}, "layers of other kinds"),

@@ -53,7 +53,7 @@ def test_the_attention_call_only_copies_the_queries() -> None:
     rope = (1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)), 1.0)
     state = WorkerState(ServingSettings("snapkv", 64, {"interval": 16}), SHAPE, rope, block_size=16)
     blocks = [torch.tensor([0]), torch.tensor([1])]
-    state.batch = StepBatch(["a", "b"], [0, 0], [3, 1], [3, 1], [None, None], blocks, torch.arange(4))
+    state.begin_step(StepBatch(["a", "b"], [0, 0], [3, 1], [3, 1], [None, None], blocks, torch.arange(4)))
     query = torch.randn(4, 4, 16)
     expected = query.clone()
     with SyncRecorder() as recorder:
@@ -65,4 +65,9 @@ def test_the_attention_call_only_copies_the_queries() -> None:
     assert torch.equal(state.held[0].queries[:4], expected)
     state.held[0].tokens = 3
     with pytest.raises(RuntimeError, match="layer 0 held 3 queries, the step has 4"):
+        state.after_forward()
+    # A layer that held nothing of this step (a stale count from the last one is cleared).
+    state.begin_step(state.batch)
+    state.hold_queries(0, None, query, torch.empty(0), 0.25)
+    with pytest.raises(RuntimeError, match="1 of 2 layers held this step's queries"):
         state.after_forward()

@@ -9,7 +9,8 @@ A serving engine sizes its KV pool for `max_model_len`; what a request holds bes
   are at most those of one uncompressed request at `max_model_len` (a key and a value per KV
   head and token): compressed, a request never holds more than the engine was sized for;
 - a setting that cannot evict a token at that length is refused: it would pay the step's cost
-  and save nothing.
+  and save nothing. (A layer holds at most `max_model_len - 1` tokens: the last sampled token
+  is never fed back.)
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def check_fits(
                 f"({max_model_len}), got {value}"
             )
     first = policy.schedule.first_eviction(budget, policy.n_recent)
-    if first is None or first > max_model_len:
+    if first is None or first >= max_model_len:  # a layer holds at most max_model_len - 1 tokens
         raise KnobError(
             f"budget {budget} never evicts a token of a request of at most max_model_len "
             f"({max_model_len}) tokens with {method!r}: lower it, or serve without reasonkv"

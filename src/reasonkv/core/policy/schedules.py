@@ -45,10 +45,12 @@ class Schedule:
     def first_eviction(self, budget: int, n_recent: int) -> int | None:
         """The fewest tokens a request holds when it first loses one (None: never), for a
         serving engine to refuse a budget its longest request can never reach."""
-        trigger = self.trigger(budget)
+        trigger, target = self.trigger(budget), self.target(budget)
         if trigger is None:
             return None
-        return self.target(budget) + 1 if self.from_prompt_end else max(trigger, self.target(budget) + 1)
+        if self.from_prompt_end:  # a one-token prompt, then every trigger - target tokens
+            return max(target + 1, 1 + trigger - target)
+        return max(trigger, target + 1)
 
     def hole_slots(self, budget: int) -> int:
         """Evicted tokens that may stay in storage as holes (masked, never attended or scored)
@@ -284,9 +286,11 @@ class PeriodicRatio(Schedule):
         self.period(budget)
         return 1 << 62
 
-    def first_eviction(self, budget: int, n_recent: int) -> int:
-        """A one-token prompt and P + R generated tokens: the first period's selection."""
-        return 1 + n_recent + self.period(budget)[0]
+    def first_eviction(self, budget: int, n_recent: int) -> int | None:
+        """A one-token prompt and P + R generated tokens: the first period's selection (none
+        where it keeps every token of the period, P/c = P)."""
+        p, t = self.period(budget)
+        return None if t >= p else 1 + n_recent + p
 
     def describe(self) -> str:
         p = "budget·ratio" if self.interval is None else str(self.interval)

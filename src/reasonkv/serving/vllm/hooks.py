@@ -125,7 +125,7 @@ def _to_physical(runner, state, num_scheduled_tokens) -> None:
     positions = runner.positions[:total].clone()
     prompts = [int(p) for p in batch.num_prompt_tokens[:n]]
     extra = [getattr(runner.requests[rid].sampling_params, "extra_args", None) for rid in req_ids]
-    state.batch = StepBatch(req_ids, first, counts, prompts, extra, block_rows, positions)
+    state.begin_step(StepBatch(req_ids, first, counts, prompts, extra, block_rows, positions))
     dropped = torch.tensor([state.dropped(rid) for rid in req_ids], dtype=torch.int64)
     if not bool(dropped.any()):
         return

@@ -140,6 +140,10 @@ def _check_engine(vllm_config) -> None:
         )
     if vllm_config.speculative_config is not None:
         raise KnobError("reasonkv in vLLM does not run with speculative decoding")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        # A connector saves and loads blocks by the tokens their hashes name (and saves each
+        # layer before the adapter's step has compacted it).
+        raise KnobError("reasonkv in vLLM does not run with a KV connector (kv_transfer_config)")
     why = _unsupported_model(vllm_config.model_config)
     if why is not None:
         raise KnobError(f"reasonkv in vLLM serves decoder-only models with full attention only: {why}")

@@ -181,6 +181,12 @@ class WorkerState:
             self.layouts[key] = TileLayout(self.block_size, self.head_dim, dtype, isa)
         return self.layouts[key]
 
+    def begin_step(self, batch: StepBatch) -> None:
+        """A forward is about to run over `batch`: no layer holds queries of it yet."""
+        self.batch = batch
+        for held in self.held.values():
+            held.tokens = 0
+
     def hold_queries(
         self, layer_idx: int, layer, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> None:
@@ -205,9 +211,11 @@ class WorkerState:
         starts = [0]
         for n in batch.n_tokens:
             starts.append(starts[-1] + n)
-        for layer_idx, held in sorted(self.held.items()):
-            if held.tokens == 0:
-                continue
+        layers = sorted(i for i, held in self.held.items() if held.tokens)
+        if starts[-1] and len(layers) != self.n_layers:  # every decoder layer attends every step
+            raise RuntimeError(f"reasonkv: {len(layers)} of {self.n_layers} layers held this step's queries")
+        for layer_idx in layers:
+            held = self.held[layer_idx]
             if held.tokens != starts[-1]:
                 raise RuntimeError(
                     f"reasonkv: layer {layer_idx} held {held.tokens} queries, the step has {starts[-1]}"
