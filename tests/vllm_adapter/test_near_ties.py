@@ -64,3 +64,8 @@ def test_a_near_tie_too_early_leaves_too_little_to_compare_and_fails() -> None:
     ref = reference([(20, 0, [[1]], NEAR_TIE / 10), (30, 0, [[3]], 0.5)])
     with pytest.raises(AssertionError, match="0 compressions compared equal"):
         assert_same_kept(trace([(20, 0, [[2]]), (30, 0, [[4]])]), ref, [10])
+
+
+def test_a_request_that_never_compressed_fails() -> None:
+    with pytest.raises(AssertionError):
+        assert_same_kept(trace([]), reference([]), [10])

@@ -129,7 +129,7 @@ def test_a_preempted_request_starts_again_from_its_tokens(tiny_model_dir, tmp_pa
 CHUNKED = [
     ("snapkv", 64, {"interval": 32}),
     ("snapkv-decode", 64, {"interval": 32, "phase": "decode"}),
-    ("rpc", 16, {"ratio": 2.0}),
+    ("rpc", 8, {"ratio": 2.0}),  # P = 16: first compression after 32 recent + 16 generated
     ("rkv", 64, {"interval": 32}),
     ("streaming", 64, {}),
     ("h2o", 48, {}),
@@ -139,6 +139,11 @@ CHUNKED = [
 length) is here: before the step took the prompt's end from the engine, both counted from the
 first chunk's end. All methods, chunked, against one prefill: tests/serving/test_paged_request.py."""
 
+FIRST_COMPRESSION = {"snapkv": 0, "snapkv-decode": 32, "rpc": 48}
+"""Tokens past the prompt's end at a request's first compression: SnapKV compresses the prompt
+(longer than its budget) at its end; with phase="decode" one interval later; RPC after its 32
+recent and one period of 16 generated tokens."""
+
 
 @pytest.mark.parametrize(("method", "budget", "knobs"), CHUNKED, ids=[c[0] for c in CHUNKED])
 def test_chunked_prefill_keeps_what_one_prefill_keeps(
@@ -147,14 +152,18 @@ def test_chunked_prefill_keeps_what_one_prefill_keeps(
     """Prompts of 150 to 230 tokens prefilled 64 tokens a step: compression waits for the prompt's
     last chunk, and the kept tokens and outputs equal the HF path's one-forward prefill."""
     lengths = [150, 190, 230]
-    method = method.removesuffix("-decode")
+    case, method = method, method.removesuffix("-decode")
     settings = {"method": method, "budget": budget, **knobs}
     spec = {"model": tiny_model_dir, "prompts": prompts(lengths, seed=4), "max_tokens": 60}
     engine = run_engine({**spec, "reasonkv": settings, "max_num_batched_tokens": 64}, tmp_path, method)
     hf = run_hf({**spec, "method": method, "budget": budget, "knobs": knobs}, tmp_path, method)
     assert engine["tokens"] == hf["tokens"]
     assert_same_kept(engine, hf, lengths)
-    assert {e["seen"] for e in events(engine, "kept")} & set(lengths)  # some compressed at its prompt's end
+    if case in FIRST_COMPRESSION:  # counted from the prompt's true end, not the first chunk's
+        first = {}
+        for e in events(engine, "kept"):
+            first[e["prompt_len"]] = min(first.get(e["prompt_len"], e["seen"]), e["seen"])
+        assert first == {n: n + FIRST_COMPRESSION[case] for n in lengths}
 
 
 def test_prefix_caching_is_turned_off_and_shared_prompts_stay_apart(tiny_model_dir, tmp_path) -> None:
@@ -171,3 +180,17 @@ def test_prefix_caching_is_turned_off_and_shared_prompts_stay_apart(tiny_model_d
     assert together["tokens"] == alone["tokens"]
     assert together["tokens"][0] == together["tokens"][1]
     assert "prefix caching is turned off" in together["log"]
+
+
+def test_vllm_refuses_a_pool_smaller_than_one_uncompressed_request(tiny_model_dir, tmp_path) -> None:
+    """The limit docs/serving.md states, as vLLM 0.32 enforces it with the adapter on: a pool of
+    16 blocks of 32 (512 slots) cannot start an engine whose max_model_len is 1024, though SnapKV
+    at 64 would never let a request hold more than 3 blocks after its prompt."""
+    spec = {
+        "model": tiny_model_dir, "reasonkv": {"method": "snapkv", "budget": 64, "interval": 32},
+        "prompts": prompts([40]), "max_tokens": 8, "num_blocks": 16, "max_model_len": 1024,
+    }  # fmt: skip
+    with pytest.raises(AssertionError) as refused:
+        run_engine(spec, tmp_path, "small-pool")
+    assert "max seq len (1024)" in str(refused.value)
+    assert run_engine({**spec, "max_model_len": 480}, tmp_path, "fits")["tokens"][0]  # 15 usable blocks

@@ -106,12 +106,18 @@ ends that request's comparison (its states differ from then on). Any other diffe
 
 
 def assert_same_kept(
-    engine: dict, hf: dict, lengths: list[int], upto: dict[int, int] | None = None, min_events: int = 2
+    engine: dict,
+    hf: dict,
+    lengths: list[int],
+    upto: dict[int, int] | None = None,
+    min_events: int = 2,
+    compressing: list[int] | None = None,
 ) -> None:
     """Every compression of every request (keyed by prompt length; `lengths` in the HF run's
     prompt order) keeps in the engine exactly what it keeps in the HF path, in (seen, layer)
     order, up to `upto[n]` tokens seen, but for a difference at a near-tie (above); at least
-    `min_events` compressions of each request compared equal."""
+    `min_events` compressions of each request compared equal. Every request compresses, or
+    those of `compressing`."""
     mine: dict[int, dict] = {}
     for e in engine["trace"]:
         if e["kind"] == "kept":
@@ -119,7 +125,8 @@ def assert_same_kept(
     theirs: dict[int, dict] = {}
     for e in hf["kept"]:
         theirs.setdefault(lengths[e["prompt"]], {})[(e["seen"], e["layer"])] = (e["kept"], e["margin"])
-    assert sorted(mine) == sorted(theirs), (sorted(mine), sorted(theirs))
+    expected = sorted(lengths if compressing is None else compressing)
+    assert sorted(mine) == sorted(theirs) == expected, (sorted(mine), sorted(theirs), expected)
     for n in theirs:
         limit = (upto or {}).get(n, float("inf"))
         keys = sorted(k for k in set(mine[n]) | set(theirs[n]) if k[0] <= limit)
