@@ -29,6 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from reasonkv.core.models import ModelShape
 from reasonkv.serving.vllm.settings import ServingSettings
@@ -56,8 +57,6 @@ class Engine:
     request's blocks and logical length, and the runner's per-step bookkeeping."""
 
     def __init__(self, settings: ServingSettings, requests: int, length: int, seed: int) -> None:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
         dtype = torch.bfloat16
         self.isa = _get_attn_isa(dtype, BLOCK, SHAPE.head_dim)
         self.layer = SimpleNamespace(isa=self.isa, _k_scale_float=1.0, _v_scale_float=1.0)
@@ -152,6 +151,7 @@ def main() -> None:
                 f"--{k} {v}" for k, v in vars(args).items() if k != "out" and v is not None
             ),
             "shape": vars(SHAPE), "block": BLOCK, "dtype": "bfloat16", "budget": args.budget,
+            "isa": _get_attn_isa(torch.bfloat16, BLOCK, SHAPE.head_dim),
             "machine": platform.processor() or platform.machine(), "torch_threads": args.threads,
             "rows": rows,
         }  # fmt: skip
