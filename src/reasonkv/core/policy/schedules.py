@@ -48,7 +48,7 @@ class Schedule:
         trigger, target = self.trigger(budget), self.target(budget)
         if trigger is None:
             return None
-        if self.from_prompt_end:  # a one-token prompt, then every trigger - target tokens
+        if self.from_prompt_end:  # every trigger - target tokens after the prompt, whatever it holds
             return max(target + 1, 1 + trigger - target)
         return max(trigger, target + 1)
 
