@@ -19,7 +19,8 @@ from conftest import greedy_loop, random_prompt, tiny_model
 from reasonkv.core.layer import CompressedLayer
 from reasonkv.core.policy.base import EMPTY
 from reasonkv.core.step import LayerStep
-from reasonkv.serving.paged_request import PENDING_QUERIES, PagedRequestStorage, gather_slots
+from reasonkv.core.storage import gather_slots
+from reasonkv.serving.paged_request import PENDING_QUERIES, PagedRequestStorage
 from sync_helpers import SyncRecorder
 
 METHODS = [

@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import torch
 
+from reasonkv.core.storage import gather_slots
+
 PENDING_QUERIES = 8
 """Decode queries a request's layer sets aside before they join its query window
 (`LayerStep(query_wait=...)`): the window then changes once per this many steps."""
@@ -34,14 +36,6 @@ in slot order, and its values the same way when `values` is true (else None)."""
 
 WriteKV = Callable[[torch.Tensor, torch.Tensor], None]
 """`write(keys, values)`: [H, K, D] each, into the request's first K slots of this layer."""
-
-
-def gather_slots(kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """kv [H, T, D] at slots [H, K] -> [H, K, D], by one flat `index_select` (an expanded
-    `gather` over the same rows was several times slower on CPU)."""
-    h, t, d = kv.shape
-    flat = (slots + torch.arange(h, device=slots.device)[:, None] * t).reshape(-1)
-    return kv.reshape(h * t, d).index_select(0, flat).view(h, -1, d)
 
 
 class PagedRequestStorage:

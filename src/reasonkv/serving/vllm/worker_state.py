@@ -16,6 +16,7 @@ import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -208,9 +209,7 @@ class WorkerState:
         batch = self.batch
         if batch is None:
             return
-        starts = [0]
-        for n in batch.n_tokens:
-            starts.append(starts[-1] + n)
+        starts = [0, *accumulate(batch.n_tokens)]
         layers = sorted(i for i, held in self.held.items() if held.tokens)
         if starts[-1] and len(layers) != self.n_layers:  # every decoder layer attends every step
             raise RuntimeError(f"reasonkv: {len(layers)} of {self.n_layers} layers held this step's queries")
@@ -221,7 +220,6 @@ class WorkerState:
                     f"reasonkv: layer {layer_idx} held {held.tokens} queries, the step has {starts[-1]}"
                 )
             self._layer_step(layer_idx, held, starts)
-            held.tokens = 0
 
     def _layer_step(self, layer_idx: int, held: HeldLayer, starts: list[int]) -> None:
         batch, kv_cache, query = self.batch, held.kv_cache, held.queries
