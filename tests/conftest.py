@@ -32,6 +32,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from reasonkv.core.hf_compat import cache_arg, returned_cache
 from reasonkv.core.models import resolve_device
 
 torch.set_num_threads(1)
@@ -135,20 +136,20 @@ def greedy_loop(model: PreTrainedModel, prompt: torch.Tensor, cache, steps: int,
     """Manual greedy decoding: prefill, then one token per forward with no position_ids, so
     the model takes positions from cache.get_seq_length(). Returns (tokens [B, steps],
     logits [B, steps, V]); `after_step(cache, fed)` runs after every forward."""
-    out = model(input_ids=prompt, cache=cache, use_cache=True)
+    out = model(input_ids=prompt, **cache_arg(cache), use_cache=True)
     fed = prompt.shape[1]
     if after_step is not None:
-        after_step(out.cache, fed)
+        after_step(returned_cache(out), fed)
     tokens, logits = [], []
     for _ in range(steps):
         step_logits = out.logits[:, -1].float()
         token = step_logits.argmax(-1, keepdim=True)
         tokens.append(token)
         logits.append(step_logits)
-        out = model(input_ids=token, cache=out.cache, use_cache=True)
+        out = model(input_ids=token, **cache_arg(returned_cache(out)), use_cache=True)
         fed += 1
         if after_step is not None:
-            after_step(out.cache, fed)
+            after_step(returned_cache(out), fed)
     return torch.cat(tokens, 1), torch.stack(logits, 1)
 
 

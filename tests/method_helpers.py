@@ -14,6 +14,7 @@ from transformers import LlamaForCausalLM
 
 import reasonkv
 from conftest import TEST_DEVICE, build_tiny_model
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.policy.base import EMPTY
 
 
@@ -26,7 +27,7 @@ def greedy(model, ids, mask, cache, n: int):
     return model.generate(
         input_ids=ids,
         attention_mask=mask,
-        cache=cache,
+        **cache_arg(cache),
         max_new_tokens=n,
         do_sample=False,
         pad_token_id=0,

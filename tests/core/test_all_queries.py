@@ -12,6 +12,7 @@ import torch
 from beacon_helpers import default_inv_freq, stream
 from conftest import TEST_DEVICE, dynamic_cache, greedy_loop, random_prompt, tiny_model
 from reasonkv import get_method, make_cache
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.policy import AllQueriesScorer, BeaconKVScorer
 from reasonkv.core.policy.scorers.beacon import farthest_point_sample
 
@@ -162,9 +163,9 @@ def test_fps_inside_an_evicting_cache_scores_with_naive_fps_over_every_held_quer
 
     monkeypatch.setattr(AllQueriesScorer, "_scoring_points", spy)
     with torch.no_grad():
-        model(input_ids=ids[:, :fed], cache=cache)
+        model(input_ids=ids[:, :fed], **cache_arg(cache))
         for fed in range(21, 81):
-            model(input_ids=ids[:, fed - 1 : fed], cache=cache)
+            model(input_ids=ids[:, fed - 1 : fed], **cache_arg(cache))
     assert int(cache.layers[0].n_valid.max()) <= 24 and cache.events
     assert len(calls) >= 20
     b, x = 2, model.config.num_attention_heads

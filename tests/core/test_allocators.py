@@ -11,6 +11,7 @@ import torch
 from conftest import HEAD_DIM, dynamic_cache, greedy_loop, left_pad, random_prompt, tiny_model
 from method_helpers import kept_tokens
 from reasonkv import make_cache
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.policy import EMPTY, Observation, SplitRequest, protected_mask
 from reasonkv.core.policy.allocators import AdaKVHeadAllocator, PyramidAllocator
 from reasonkv.core.policy.allocators.pyramid import pyramid_layer_budgets
@@ -183,7 +184,7 @@ def test_memory_stays_bounded_over_300_steps(method: str) -> None:
     physical = []
     with torch.no_grad():
         for _ in range(300):
-            ids = model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
+            ids = model(input_ids=ids, **cache_arg(cache)).logits[:, -1:].argmax(-1)
             for i, layer in enumerate(cache.layers):
                 heads = layer.n_valid.shape[1]
                 assert int(layer.n_valid.sum(-1).max()) <= int(layer_totals[i]) + heads * (interval - 1)
@@ -252,12 +253,12 @@ def test_padded_batch_equals_rows_alone(method: str) -> None:
     kw = dict(max_new_tokens=40, do_sample=False)
     knobs = dict(interval=4)
     cache = make_cache(model, method, 16, **knobs)
-    batch = model.generate(ids, attention_mask=mask, cache=cache, **kw)[:, ids.shape[1] :]
+    batch = model.generate(ids, attention_mask=mask, **cache_arg(cache), **kw)[:, ids.shape[1] :]
     assert len(cache.events) > 10
     for r, p in enumerate(prompts):
         pad = ids.shape[1] - p.numel()
         alone_cache = make_cache(model, method, 16, **knobs)
-        alone = model.generate(p[None], cache=alone_cache, **kw)[:, p.numel() :]
+        alone = model.generate(p[None], **cache_arg(alone_cache), **kw)[:, p.numel() :]
         assert torch.equal(alone[0], batch[r])
         for lb, la in zip(cache.layers, alone_cache.layers, strict=True):
             assert kept_tokens(lb, r, pad) == kept_tokens(la, 0)

@@ -24,6 +24,7 @@ from conftest import (
 )
 from method_helpers import kept_tokens
 from reasonkv import CompressedCache, make_cache
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import attention_modules
 from reasonkv.core.policy import EMPTY, BeaconKVScorer, Observation, protected_mask, select_tokens
 from reasonkv.core.policy.rope import apply_rope, rerotate, unapply_rope
@@ -499,9 +500,9 @@ def test_repeated_token_gives_one_beacon_per_query_head(scope: str, counts: list
     model = build_tiny_model("llama", "sdpa", seed=0, init_range=0.02, rope_parameters=dict(ROPES["yarn"]))
     cache = make_cache(model, "beaconkv", 512, beacon_scope=scope, beacon_feed="all")  # prompt queries too
     with torch.no_grad():
-        model(input_ids=torch.full((1, 60), 5, device=TEST_DEVICE), cache=cache)
+        model(input_ids=torch.full((1, 60), 5, device=TEST_DEVICE), **cache_arg(cache))
         for _ in range(5):
-            model(input_ids=torch.full((1, 1), 5, device=TEST_DEVICE), cache=cache)
+            model(input_ids=torch.full((1, 1), 5, device=TEST_DEVICE), **cache_arg(cache))
     policy = cache.policy
     policy.scorer.flush(cache.layers[0].states.scorer, policy.rope_inv_freq, policy.rope_attention_scaling)
     # Identical tokens give identical values, so every layer sees one hidden state per token.
@@ -522,7 +523,7 @@ def test_beaconkv_memory_stays_bounded_over_300_steps() -> None:
     caps, physical = [], []
     with torch.no_grad():
         for _ in range(300):
-            ids = model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
+            ids = model(input_ids=ids, **cache_arg(cache)).logits[:, -1:].argmax(-1)
             assert int(cache.memory()["live_tokens"].max()) <= budget - 1  # compressed on reaching B_max
             caps.append(max(layer.keys.shape[2] for layer in cache.layers))
             physical.append(cache.memory()["physical_bytes"])
@@ -541,12 +542,12 @@ def test_beaconkv_padded_batch_equals_rows_alone() -> None:
     ids, mask = left_pad(prompts)
     kw = dict(max_new_tokens=40, do_sample=False)
     cache = make_cache(model, "beaconkv", 32)
-    batch = model.generate(ids, attention_mask=mask, cache=cache, **kw)[:, ids.shape[1] :]
+    batch = model.generate(ids, attention_mask=mask, **cache_arg(cache), **kw)[:, ids.shape[1] :]
     assert len(cache.events) > 10
     for r, p in enumerate(prompts):
         pad = ids.shape[1] - p.numel()
         alone_cache = make_cache(model, "beaconkv", 32)
-        alone = model.generate(p[None], cache=alone_cache, **kw)[:, p.numel() :]
+        alone = model.generate(p[None], **cache_arg(alone_cache), **kw)[:, p.numel() :]
         assert torch.equal(alone[0], batch[r])
         for lb, la in zip(cache.layers, alone_cache.layers, strict=True):
             assert kept_tokens(lb, r, pad) == kept_tokens(la, 0)
@@ -604,9 +605,9 @@ def test_all_layers_fed_in_one_pass_equal_each_layer_fed_alone(monkeypatch, upke
         return feed(self, members, queues, *args)
 
     monkeypatch.setattr(beacon.BeaconKVScorer, "_feed", spy)
-    out_g = model.generate(ids, attention_mask=mask, cache=grouped, **kw)
+    out_g = model.generate(ids, attention_mask=mask, **cache_arg(grouped), **kw)
     passes_g, passes[:] = list(passes), []
-    out_a = model.generate(ids, attention_mask=mask, cache=alone, **kw)
+    out_a = model.generate(ids, attention_mask=mask, **cache_arg(alone), **kw)
     assert torch.equal(out_g, out_a)
     n_layers = len(grouped.layers)
     assert passes_g[:n_layers] == [1] * n_layers  # the prompt's queries, layer by layer
@@ -671,10 +672,10 @@ def test_unequal_queues_and_buffers_fed_in_one_pass_equal_each_layer_fed_alone(
 
     @torch.no_grad()
     def run(cache) -> torch.Tensor:
-        out, fed = model(input_ids=prompt, cache=cache), []
+        out, fed = model(input_ids=prompt, **cache_arg(cache)), []
         for step in range(80):
             fed.append(chunk if step == 58 else out.logits[:, -1:].argmax(-1))
-            out = model(input_ids=fed[-1], cache=cache)
+            out = model(input_ids=fed[-1], **cache_arg(cache))
         return torch.cat(fed, 1)
 
     tokens_g = run(grouped)

@@ -9,6 +9,7 @@ import torch
 
 from conftest import TEST_DEVICE, left_pad, random_prompt, tiny_model
 from reasonkv import make_cache
+from reasonkv.core.hf_compat import cache_arg
 
 # (method, budget, knobs): each compresses several times in both phases below.
 METHODS = [
@@ -25,7 +26,9 @@ def _feed(model, cache, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[list[
     logits = []
     for i in range(tokens.shape[1]):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-        logits.append(model(input_ids=tokens[:, i : i + 1], attention_mask=mask, cache=cache).logits[:, -1])
+        logits.append(
+            model(input_ids=tokens[:, i : i + 1], attention_mask=mask, **cache_arg(cache)).logits[:, -1]
+        )
     return logits, mask
 
 
@@ -61,8 +64,8 @@ def test_a_reordered_row_continues_exactly_like_the_row_it_copies(
     batch = make_cache(model, method, budget, **knobs)
     alone = make_cache(model, method, budget, **knobs)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, cache=batch)
-        model(input_ids=ids[1:], cache=alone)
+        model(input_ids=ids, attention_mask=mask, **cache_arg(batch))
+        model(input_ids=ids[1:], **cache_arg(alone))
     _, mask = _feed(model, batch, first, mask)
     _, mask_alone = _feed(model, alone, first[1:], torch.ones(1, 20, dtype=torch.long, device=TEST_DEVICE))
     n_events = len(batch.events)
@@ -90,7 +93,7 @@ def test_beam_search_with_eviction_keeps_state_per_beam() -> None:
     model = tiny_model("llama", "sdpa", 2)
     cache = make_cache(model, "beaconkv", 24)
     out = model.generate(
-        random_prompt(20, seed=74), cache=cache, num_beams=3, max_new_tokens=40, do_sample=False
+        random_prompt(20, seed=74), **cache_arg(cache), num_beams=3, max_new_tokens=40, do_sample=False
     )
     assert out.shape == (1, 60) and len(cache.events) > 0
     for layer in cache.layers:

@@ -8,6 +8,7 @@ import torch
 
 import reasonkv
 from conftest import greedy_loop, random_prompt, tiny_model
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.policy.base import EMPTY
 from reasonkv.harness.bench.capacity import peak_kv_slots
 
@@ -85,11 +86,11 @@ def test_chunks_of_steps_until_compress_replay_the_decode_phase_exactly() -> Non
         cache = reasonkv.make_cache(model, "snapkv", BUDGET, interval=INTERVAL, phase="decode")
         states, start = [], 0
         with torch.no_grad():
-            model(input_ids=ids[:, :prompt], cache=cache)
+            model(input_ids=ids[:, :prompt], **cache_arg(cache))
             start = prompt
             while start < ids.shape[1]:
                 q = min(cache.steps_until_compress(), ids.shape[1] - start) if chunked else 1
-                model(input_ids=ids[:, start : start + q], cache=cache)
+                model(input_ids=ids[:, start : start + q], **cache_arg(cache))
                 start += q
                 states.append((start, cache.n_compressions, kept(cache)))
         return cache, states

@@ -12,6 +12,7 @@ import torch
 
 import reasonkv
 from conftest import ARCHS, build_tiny_model, dynamic_cache, greedy_loop, left_pad, random_prompt, tiny_model
+from reasonkv.core.hf_compat import cache_arg
 
 ATTNS = ("sdpa", "eager")
 KV_HEADS = (2, 4)  # GQA (group of 2) and MHA
@@ -54,10 +55,10 @@ def test_generate_tokens_and_logits_equal_dynamic_cache(arch: str, attn: str, kv
     prompt = random_prompt(PROMPT, seed=2)
     kwargs = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_logits=True)
 
-    ref = model.generate(prompt, cache=dynamic_cache(), **kwargs)
+    ref = model.generate(prompt, **cache_arg(dynamic_cache()), **kwargs)
     for method in ("full", "snapkv"):
         cache = big_cache(model, method)
-        out = model.generate(prompt, cache=cache, **kwargs)
+        out = model.generate(prompt, **cache_arg(cache), **kwargs)
         assert torch.equal(out.sequences, ref.sequences), method
         torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=ATOL, rtol=0)
         assert cache.get_seq_length() == PROMPT + NEW - 1  # the last token is never fed back
@@ -99,7 +100,7 @@ def test_full_cache_generate_equals_stock_model(arch: str, attn: str) -> None:
 
     ref = stock.generate(prompt, max_new_tokens=NEW, do_sample=False)
     out = model.generate(
-        prompt, max_new_tokens=NEW, do_sample=False, cache=reasonkv.make_cache(model, "full")
+        prompt, max_new_tokens=NEW, do_sample=False, **cache_arg(reasonkv.make_cache(model, "full"))
     )
     assert torch.equal(out, ref)
 
@@ -115,8 +116,8 @@ def test_chunked_prefill_equals_dynamic_cache(arch: str, attn: str) -> None:
     with torch.no_grad():
         for start, stop in ((0, 7), (7, 8), (8, 19), (19, 30)):
             chunk = seq[:, start:stop]
-            got = model(input_ids=chunk, cache=cache).logits
-            ref = model(input_ids=chunk, cache=ref_cache).logits
+            got = model(input_ids=chunk, **cache_arg(cache)).logits
+            ref = model(input_ids=chunk, **cache_arg(ref_cache)).logits
             torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
     assert cache.get_seq_length() == 30
 
@@ -127,6 +128,6 @@ def test_padded_batch_with_full_budget_equals_dynamic_cache(attn: str) -> None:
     ids, mask = left_pad([random_prompt(n, seed=10 + n)[0] for n in (5, 13, 9)])
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
 
-    ref = model.generate(ids, cache=dynamic_cache(), **kwargs)
-    out = model.generate(ids, cache=big_cache(model, "tova"), **kwargs)
+    ref = model.generate(ids, **cache_arg(dynamic_cache()), **kwargs)
+    out = model.generate(ids, **cache_arg(big_cache(model, "tova")), **kwargs)
     assert torch.equal(out, ref)

@@ -11,6 +11,7 @@ import reasonkv
 from conftest import HEAD_DIM, N_LAYERS, greedy_loop, left_pad, random_prompt, tiny_model
 from method_helpers import profile_knobs, tiny_group
 from reasonkv.core.cache import RECENT_EVENTS
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.layer import GROWTH_CHUNK
 
 METHODS = sorted(reasonkv.available_methods())
@@ -79,7 +80,7 @@ def test_row_counters_equal_the_full_record_per_batch_row() -> None:
     ids, mask = left_pad([random_prompt(30, seed=1)[0], random_prompt(6, seed=2)[0]])
     cache = reasonkv.make_cache(model, "snapkv", 16, interval=8)
     cache.keep_all_events = True
-    model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=40, do_sample=False)
+    model.generate(input_ids=ids, attention_mask=mask, **cache_arg(cache), max_new_tokens=40, do_sample=False)
     events = cache.events
     from_events = [sum(int(e.rows[r]) for e in events) for r in range(2)]
     assert from_events[0] != from_events[1]  # the rows really compressed at different times

@@ -12,6 +12,7 @@ import torch
 
 from conftest import random_prompt, tiny_model
 from reasonkv import make_cache
+from reasonkv.core.hf_compat import cache_arg
 
 
 @pytest.mark.parametrize("method", ["snapkv", "h2o", "reasonalloc-head-rkv", "rpc", "beaconkv"])
@@ -22,7 +23,7 @@ def test_a_dropped_cache_frees_its_storage_without_the_garbage_collector(method:
     gc.disable()
     try:
         with torch.no_grad():
-            model(input_ids=random_prompt(40, seed=1), cache=cache)
+            model(input_ids=random_prompt(40, seed=1), **cache_arg(cache))
         keys = weakref.ref(cache.layers[0].keys)
         del cache
         assert keys() is None, "something still refers to the cache: its storage waits for gc"
@@ -34,9 +35,9 @@ def test_a_reset_cache_reports_its_new_runs_peak() -> None:
     model = tiny_model("llama", "sdpa", 2)
     cache = make_cache(model, "full", None)
     with torch.no_grad():
-        model(input_ids=random_prompt(30, seed=2), cache=cache)
+        model(input_ids=random_prompt(30, seed=2), **cache_arg(cache))
         first = cache.memory()["peak_kv_bytes"]
         cache.reset()
         assert cache.kv_meter.current == 0 and cache.kv_meter.peak == 0
-        model(input_ids=random_prompt(5, seed=3), cache=cache)
+        model(input_ids=random_prompt(5, seed=3), **cache_arg(cache))
     assert 0 < cache.memory()["peak_kv_bytes"] < first

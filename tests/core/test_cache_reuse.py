@@ -10,12 +10,13 @@ import torch
 
 import reasonkv
 from conftest import PAD, TEST_DEVICE, left_pad, random_prompt, tiny_model
+from reasonkv.core.hf_compat import cache_arg
 
 GREEDY = {"do_sample": False}
 
 
 def _generate(model, ids, cache, n: int, mask=None):
-    return model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=n, **GREEDY)
+    return model.generate(input_ids=ids, attention_mask=mask, **cache_arg(cache), max_new_tokens=n, **GREEDY)
 
 
 @pytest.mark.parametrize(
@@ -123,16 +124,16 @@ def test_a_multi_token_forward_at_wrong_positions_is_refused() -> None:
     model = tiny_model("llama", "sdpa", 2)
     cache = reasonkv.make_cache(model, "snapkv", 16)
     with torch.no_grad():
-        model(input_ids=random_prompt(10, seed=1), cache=cache)
+        model(input_ids=random_prompt(10, seed=1), **cache_arg(cache))
         model(
             input_ids=random_prompt(4, seed=2),
-            cache=cache,
+            **cache_arg(cache),
             position_ids=torch.arange(10, 14, device=TEST_DEVICE)[None],
         )
         with pytest.raises(ValueError, match="holds 14 tokens of another sequence"):
             model(
                 input_ids=random_prompt(4, seed=3),
-                cache=cache,
+                **cache_arg(cache),
                 position_ids=torch.arange(4, device=TEST_DEVICE)[None],
             )
 
@@ -145,4 +146,6 @@ def test_generate_from_embeddings_still_works_after_make_cache() -> None:
     before = model.generate(inputs_embeds=embeds, max_new_tokens=4, **GREEDY)
     cache = reasonkv.make_cache(model, "full", None)
     assert torch.equal(model.generate(inputs_embeds=embeds, max_new_tokens=4, **GREEDY), before)
-    assert torch.equal(model.generate(inputs_embeds=embeds, cache=cache, max_new_tokens=4, **GREEDY), before)
+    assert torch.equal(
+        model.generate(inputs_embeds=embeds, **cache_arg(cache), max_new_tokens=4, **GREEDY), before
+    )

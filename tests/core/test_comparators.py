@@ -11,6 +11,7 @@ import torch
 from conftest import greedy_loop, left_pad, random_prompt, tiny_model
 from method_helpers import kept_tokens
 from reasonkv import make_cache
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.policy import EMPTY, BeaconKVScorer, Observation, protected_mask, select_tokens
 from reasonkv.core.policy.scorers.random import MODULUS, RandomScorer
 from reasonkv.core.policy.scorers.recent_query import RecentQueryScorer
@@ -157,10 +158,10 @@ def test_random_in_a_padded_batch_keeps_what_each_row_keeps_alone() -> None:
     prompts = [random_prompt(14, seed=11)[0], random_prompt(6, seed=12)[0]]
     ids, mask = left_pad(prompts)
     batch = make_cache(model, "random", 24)
-    model.generate(ids, attention_mask=mask, cache=batch, max_new_tokens=40, do_sample=False)
+    model.generate(ids, attention_mask=mask, **cache_arg(batch), max_new_tokens=40, do_sample=False)
     for r, p in enumerate(prompts):
         alone = make_cache(model, "random", 24)
-        model.generate(p[None], cache=alone, max_new_tokens=40, do_sample=False)
+        model.generate(p[None], **cache_arg(alone), max_new_tokens=40, do_sample=False)
         pad = ids.shape[1] - len(p)
         for lb, la in zip(batch.layers, alone.layers, strict=True):
             assert kept_tokens(lb, r, pad) == kept_tokens(la, 0)

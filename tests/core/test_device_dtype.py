@@ -13,6 +13,7 @@ import torch
 import reasonkv
 from conftest import build_tiny_model, random_prompt
 from method_helpers import profile_knobs, tiny_group
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import resolve_device, resolve_dtype
 
 METHODS = sorted(reasonkv.available_methods())
@@ -101,7 +102,7 @@ def test_a_bf16_cache_keeps_every_tensor_on_the_model_device(method: str, device
     with torch.no_grad():
         model.generate(
             input_ids=prompt,
-            cache=cache,
+            **cache_arg(cache),
             max_new_tokens=64,
             do_sample=False,
             pad_token_id=0,

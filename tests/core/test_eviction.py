@@ -12,6 +12,7 @@ import torch
 
 import reasonkv
 from conftest import HEAD_DIM, N_LAYERS, greedy_loop, random_prompt, tiny_model
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.policy.base import EMPTY
 
 PROMPT, NEW = 10, 48
@@ -154,7 +155,7 @@ def test_positions_stay_logical_after_eviction(method: str) -> None:
     prompt = random_prompt(PROMPT, seed=11)
     checked = 0
     with torch.no_grad():
-        out = model(input_ids=prompt, cache=cache)
+        out = model(input_ids=prompt, **cache_arg(cache))
         fed = PROMPT
         for step in range(NEW):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -164,15 +165,15 @@ def test_positions_stay_logical_after_eviction(method: str) -> None:
                 assert physical < fed, "the check needs a cache that has evicted"
                 explicit = model(
                     input_ids=token,
-                    cache=copy.deepcopy(cache),
+                    **cache_arg(copy.deepcopy(cache)),
                     position_ids=torch.tensor([[fed]], device=token.device),
                 ).logits
                 wrong = model(
                     input_ids=token,
-                    cache=copy.deepcopy(cache),
+                    **cache_arg(copy.deepcopy(cache)),
                     position_ids=torch.tensor([[physical]], device=token.device),
                 ).logits
-            out = model(input_ids=token, cache=cache)
+            out = model(input_ids=token, **cache_arg(cache))
             fed += 1
             assert cache.get_seq_length() == fed
             if check_now:
@@ -192,7 +193,7 @@ def test_generate_with_eviction_equals_manual_greedy_loop(method: str, attn: str
 
     tokens, _ = greedy_loop(model, prompt, loop_cache, NEW)
     # generate feeds back all but its last token: NEW + 1 new tokens feed the same NEW.
-    out = model.generate(prompt, cache=gen_cache, max_new_tokens=NEW + 1, do_sample=False)
+    out = model.generate(prompt, **cache_arg(gen_cache), max_new_tokens=NEW + 1, do_sample=False)
 
     assert torch.equal(out[:, PROMPT : PROMPT + NEW], tokens)
     assert gen_cache.get_seq_length() == loop_cache.get_seq_length() == PROMPT + NEW
@@ -225,11 +226,11 @@ def test_compression_releases_the_old_storage(method: str) -> None:
     gc.disable()  # the release must come from reference counting, not from a later collection
     try:
         with torch.no_grad():
-            out = model(input_ids=prompt, cache=cache)
+            out = model(input_ids=prompt, **cache_arg(cache))
             for _ in range(NEW):
                 layer = cache.layers[0]
                 old_keys, old_ptr = weakref.ref(layer.keys), layer.keys.data_ptr()
-                out = model(input_ids=out.logits[:, -1].argmax(-1, keepdim=True), cache=cache)
+                out = model(input_ids=out.logits[:, -1].argmax(-1, keepdim=True), **cache_arg(cache))
                 if old_keys() is not layer.keys:
                     compactions += 1
                     assert old_keys() is None, "the pre-compaction storage must be unreferenced"
@@ -256,7 +257,7 @@ def test_sampling_with_eviction_produces_the_requested_tokens(method: str) -> No
     for _ in range(2):
         cache = reasonkv.make_cache(model, method, **METHODS[method])
         torch.manual_seed(0)
-        out = model.generate(prompt, cache=cache, **kwargs)
+        out = model.generate(prompt, **cache_arg(cache), **kwargs)
         assert out.shape == (2, PROMPT + NEW)
         assert cache.events, "sampling must run through evictions"
         assert int(cache.memory()["live_tokens"].max()) <= cache.live_token_bound()
@@ -312,6 +313,8 @@ def test_the_live_token_bound_counts_a_protected_prompt() -> None:
     model = tiny_model("llama", "sdpa", 2)
     cache = reasonkv.make_cache(model, "streaming", 16, protect_prompt=True)
     assert cache.live_token_bound() == 16  # before the prompt: the budget (trigger 17, minus 1)
-    model.generate(input_ids=random_prompt(24, seed=3), cache=cache, max_new_tokens=20, do_sample=False)
+    model.generate(
+        input_ids=random_prompt(24, seed=3), **cache_arg(cache), max_new_tokens=20, do_sample=False
+    )
     live = int(cache.memory()["live_tokens"].max())
     assert cache.live_token_bound() == 16 + 24 and live <= cache.live_token_bound()

@@ -12,6 +12,7 @@ import torch
 from conftest import TEST_DEVICE
 from method_helpers import assert_no_eviction_matches_stock, flat_llama, greedy, padded_prompts
 from reasonkv import make_cache
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import attention_modules
 from reasonkv.core.policy import EMPTY, H2OScorer, Observation, protected_mask, select_tokens
 from reasonkv.core.policy.scorers import h2o as h2o_module
@@ -109,7 +110,7 @@ def test_h2o_scores_follow_the_kept_tokens_through_every_eviction():
     try:
         with torch.no_grad():
             for _ in range(30):
-                logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+                logits = model(input_ids=ids, **cache_arg(cache), use_cache=True).logits
                 ids = logits[:, -1:].argmax(-1)
                 for li, layer in enumerate(cache.layers):
                     w, idx = weights[li].double(), at_attention[li]
@@ -161,7 +162,7 @@ def test_h2o_memory_stays_bounded_over_300_steps(model):
     physical = []
     with torch.no_grad():
         for _ in range(300):
-            logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+            logits = model(input_ids=ids, **cache_arg(cache), use_cache=True).logits
             ids = logits[:, -1:].argmax(-1)
             mem = cache.memory()
             assert int(mem["live_tokens"].max()) == budget
@@ -211,7 +212,7 @@ def test_sums_folded_every_few_steps_equal_sums_made_every_step(evict_every):
         for _ in range(25):
             for i, cache in enumerate(caches):
                 logits = model(
-                    input_ids=feeds[i], attention_mask=masks[i], cache=cache, use_cache=True
+                    input_ids=feeds[i], attention_mask=masks[i], **cache_arg(cache), use_cache=True
                 ).logits
                 feeds[i] = logits[:, -1:].argmax(-1)
                 masks[i] = torch.cat([masks[i], torch.ones_like(feeds[i])], dim=1)

@@ -7,6 +7,7 @@ import torch
 
 import reasonkv
 from conftest import TEST_DEVICE, left_pad, random_prompt, tiny_model
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.policy.scorers.h2o import H2OScorer
 from reasonkv.core.policy.scorers.snapkv import SnapKVScorer
 
@@ -25,10 +26,14 @@ def test_on_step_gets_this_forwards_queries_and_the_previous_window(monkeypatch)
     monkeypatch.setattr(H2OScorer, "on_step", spy)
     ids, mask = left_pad([random_prompt(3, seed=1)[0], random_prompt(5, seed=2)[0]])
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, cache=cache)
+        model(input_ids=ids, attention_mask=mask, **cache_arg(cache))
         for _ in range(2):
             mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype, device=mask.device)], dim=1)
-            model(input_ids=torch.tensor([[7], [9]], device=TEST_DEVICE), attention_mask=mask, cache=cache)
+            model(
+                input_ids=torch.tensor([[7], [9]], device=TEST_DEVICE),
+                attention_mask=mask,
+                **cache_arg(cache),
+            )
     (prefill, window0, shape0), (step1, window1, shape1), (step2, window2, _) = calls
     assert prefill == [[-1, -1, 2, 3, 4], [0, 1, 2, 3, 4]]  # padding queries are -1
     assert window0 is None and shape0[2] == 5  # nothing observed before the prompt
@@ -42,8 +47,8 @@ def test_window_keeps_the_newest_queries_of_the_scorer() -> None:
     cache = reasonkv.make_cache(model, "snapkv", 64, window=4, n_recent=4)
     assert isinstance(cache.policy.scorer, SnapKVScorer)
     with torch.no_grad():
-        model(input_ids=random_prompt(6, seed=3), cache=cache)
+        model(input_ids=random_prompt(6, seed=3), **cache_arg(cache))
         assert cache.layers[1].query_index.tolist() == [[2, 3, 4, 5]]
-        model(input_ids=torch.tensor([[11]], device=TEST_DEVICE), cache=cache)
+        model(input_ids=torch.tensor([[11]], device=TEST_DEVICE), **cache_arg(cache))
     assert cache.layers[1].query_index.tolist() == [[3, 4, 5, 6]]
     assert cache.layers[1].queries.shape[2] == 4

@@ -20,6 +20,7 @@ import torch
 import reasonkv
 from conftest import left_pad, random_prompt, tiny_model
 from method_helpers import profile_knobs, tiny_group
+from reasonkv.core.hf_compat import cache_arg
 from sync_helpers import SyncRecorder
 
 METHODS = sorted(reasonkv.available_methods())
@@ -80,14 +81,16 @@ def decode_syncs(model, cache, ids, mask, steps: int) -> list[tuple[int, list]]:
     """(layer compressions, syncs recorded) of each of `steps` greedy decode forwards."""
     out = []
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits
+        logits = model(input_ids=ids, attention_mask=mask, **cache_arg(cache), use_cache=True).logits
         for _ in range(steps):
             token = logits[:, -1].argmax(-1, keepdim=True)
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
             before = cache.n_compressions
             with SyncRecorder() as rec:
-                logits = model(input_ids=token, attention_mask=mask, cache=cache, use_cache=True).logits
+                logits = model(
+                    input_ids=token, attention_mask=mask, **cache_arg(cache), use_cache=True
+                ).logits
             out.append((cache.n_compressions - before, rec.calls))
     return out
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import HEAD_DIM, build_tiny_model, left_pad, random_prompt, tiny_model
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.kv_basis import QuantizationBasis
 from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.rope import apply_rope, unapply_rope
@@ -118,12 +119,12 @@ def test_pre_rope_holds_no_bytes_more_and_refuses_positions_that_leave_the_seque
 
 @torch.no_grad()
 def _greedy_logits(model, ids, mask, cache, steps: int = 24) -> torch.Tensor:
-    out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+    out = model(input_ids=ids, attention_mask=mask, **cache_arg(cache), use_cache=True)
     logits = [out.logits[:, -1]]
     tokens = random_prompt(steps, 9, ids.shape[0])
     for i in range(steps):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-        out = model(input_ids=tokens[:, i : i + 1], attention_mask=mask, cache=cache, use_cache=True)
+        out = model(input_ids=tokens[:, i : i + 1], attention_mask=mask, **cache_arg(cache), use_cache=True)
         logits.append(out.logits[:, -1])
     return torch.stack(logits, 1)
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import HEAD_DIM, left_pad, random_prompt, tiny_model
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.low_tier import LowTier, rank
 from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.base import EMPTY
@@ -28,7 +29,9 @@ def forced(model, ids, mask, cache, tokens: torch.Tensor, after_step=None) -> to
     at the positions generate() gives (a left-padded row's first real token at 0);
     `after_step(cache)` runs after every forward."""
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, **cache_arg(cache), use_cache=True
+    )
     logits = [out.logits[:, -1].float()]
     for i in range(tokens.shape[1]):
         if after_step is not None:
@@ -39,7 +42,7 @@ def forced(model, ids, mask, cache, tokens: torch.Tensor, after_step=None) -> to
             input_ids=tokens[:, i : i + 1],
             attention_mask=mask,
             position_ids=step,
-            cache=cache,
+            **cache_arg(cache),
             use_cache=True,
         )
         logits.append(out.logits[:, -1].float())
@@ -240,11 +243,11 @@ def test_a_chunked_replay_attends_the_low_tier_as_token_by_token_decoding_does(l
     knobs = {"interval": 8, "low_budget": 20, "low_bits": low_bits, **GROUP}
     stepwise = forced(model, ids, torch.ones_like(ids), make_cache(model, "snapkv", 24, **knobs), tokens)
     cache = make_cache(model, "snapkv", 24, **knobs)
-    out = model(input_ids=ids, cache=cache, use_cache=True)
+    out = model(input_ids=ids, **cache_arg(cache), use_cache=True)
     fed = chunks = 0
     while fed < tokens.shape[1]:
         n = min(cache.steps_until_compress(), tokens.shape[1] - fed)
-        out = model(input_ids=tokens[:, fed : fed + n], cache=cache, use_cache=True)
+        out = model(input_ids=tokens[:, fed : fed + n], **cache_arg(cache), use_cache=True)
         fed, chunks = fed + n, chunks + 1
     assert chunks < tokens.shape[1] // 4 and int(cache.memory()["low_tier_tokens"].min()) == 20
     assert float((out.logits[:, -1] - stepwise[:, -1]).abs().max()) < 1e-4
@@ -316,12 +319,12 @@ def test_a_low_tier_adds_no_host_syncs(method) -> None:
         ids = random_prompt(10, 3)
         steps = []
         with torch.no_grad():
-            out = model(input_ids=ids, cache=cache, use_cache=True)
+            out = model(input_ids=ids, **cache_arg(cache), use_cache=True)
             for _ in range(40):
                 token = out.logits[:, -1].argmax(-1, keepdim=True)
                 before = cache.n_compressions
                 with SyncRecorder() as rec:
-                    out = model(input_ids=token, cache=cache, use_cache=True)
+                    out = model(input_ids=token, **cache_arg(cache), use_cache=True)
                 steps.append((cache.n_compressions - before, len(rec.calls)))
         quiet[low] = [n_calls for n, n_calls in steps if n == 0]
         if not method.startswith("beaconkv"):  # BeaconKV's backlog feeds on a quiet step (test_host_syncs)

@@ -7,6 +7,7 @@ import torch
 
 from conftest import HEAD_DIM, N_LAYERS, greedy_loop, random_prompt, tiny_model
 from reasonkv import make_cache
+from reasonkv.core.hf_compat import cache_arg
 
 
 def test_snapkv_peaks_at_one_layer_compacting_while_the_others_are_full() -> None:
@@ -40,7 +41,7 @@ def test_the_meter_follows_growth_reorders_and_resets() -> None:
     model = tiny_model("llama", "sdpa", 2)
     cache = make_cache(model, "full", None)
     with torch.no_grad():
-        model(input_ids=random_prompt(5, seed=2, batch=2), cache=cache)
+        model(input_ids=random_prompt(5, seed=2, batch=2), **cache_arg(cache))
     grown = cache.memory()["kv_bytes"]
     assert cache.kv_meter.current == grown and cache.kv_meter.peak == grown
     cache.reorder_cache(torch.tensor([1, 1, 0]))  # beam search: three rows now

@@ -9,6 +9,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import reasonkv
 from conftest import left_pad, random_prompt, tiny_model
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.policy.base import EMPTY
 
 NEW = 48
@@ -52,11 +53,11 @@ def test_left_padded_batch_gives_the_tokens_of_each_prompt_alone(
     kwargs = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
 
     cache = reasonkv.make_cache(model, method, **METHODS[method])
-    batch = model.generate(ids, attention_mask=mask, cache=cache, **kwargs)[:, ids.shape[1] :]
+    batch = model.generate(ids, attention_mask=mask, **cache_arg(cache), **kwargs)[:, ids.shape[1] :]
 
     for row, prompt in enumerate(rows):
         alone_cache = reasonkv.make_cache(model, method, **METHODS[method])
-        alone = model.generate(prompt[None], cache=alone_cache, **kwargs)[0, prompt.numel() :]
+        alone = model.generate(prompt[None], **cache_arg(alone_cache), **kwargs)[0, prompt.numel() :]
         assert torch.equal(batch[row], alone), f"row {row} (prompt of {prompt.numel()} tokens) diverged"
         if method != "full":
             assert alone_cache.events, "the run must evict"
@@ -99,7 +100,7 @@ def test_pads_are_never_live_and_sinks_are_the_first_real_tokens(method: str, at
     out = model.generate(
         ids,
         attention_mask=mask,
-        cache=cache,
+        **cache_arg(cache),
         max_new_tokens=NEW,
         min_new_tokens=NEW,
         do_sample=False,
@@ -117,7 +118,7 @@ def test_padding_is_dropped_from_storage_at_the_first_compression() -> None:
     rows = prompts(seed=300)
     ids, mask = left_pad(rows)
     cache = reasonkv.make_cache(model, "snapkv", 12, interval=8)
-    model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False)
+    model.generate(ids, attention_mask=mask, **cache_arg(cache), max_new_tokens=NEW, do_sample=False)
     for layer in cache.layers:
         for row in range(3):
             for head in range(2):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import HEAD_DIM, left_pad, random_prompt, tiny_model
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.quantize import KVFormat, dequantize, quantize
 from reasonkv.core.quantized_storage import QuantizedKVStorage
@@ -24,11 +25,11 @@ pytestmark = pytest.mark.usefixtures("toy_storage")
 @torch.no_grad()
 def forced_logits(model, ids, mask, cache, tokens: torch.Tensor) -> torch.Tensor:
     """Logits [B, n, V] of a prefill then one forced token per step (no argmax divergence)."""
-    out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+    out = model(input_ids=ids, attention_mask=mask, **cache_arg(cache), use_cache=True)
     logits = [out.logits[:, -1].float()]
     for i in range(tokens.shape[1]):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-        out = model(input_ids=tokens[:, i : i + 1], attention_mask=mask, cache=cache, use_cache=True)
+        out = model(input_ids=tokens[:, i : i + 1], attention_mask=mask, **cache_arg(cache), use_cache=True)
         logits.append(out.logits[:, -1].float())
     return torch.stack(logits, 1)
 
@@ -134,9 +135,9 @@ def test_a_bounded_cache_never_allocates_quantized_room_past_its_slots() -> None
     cache = make_cache(model, "beaconkv", 48, kv_bits=4, **SMALL)
     ids, peak_room = random_prompt(20, 3, 1), 0
     with torch.no_grad():
-        model(input_ids=ids, cache=cache)
+        model(input_ids=ids, **cache_arg(cache))
         for token in random_prompt(120, 4, 1)[0]:
-            model(input_ids=token.view(1, 1), cache=cache)
+            model(input_ids=token.view(1, 1), **cache_arg(cache))
             for layer in cache.layers:
                 s = layer.storage
                 room = s.kq.codes.shape[2]
@@ -365,11 +366,11 @@ def test_sinks_are_kept_when_a_prompt_longer_than_the_budget_is_compacted_before
     ids = random_prompt(60, 3)
     cache = make_cache(model, method, budget=24, kv_bits=4, group_size=8, residual=0, fp_sinks=1, **knobs)
     with torch.no_grad():
-        out = model(input_ids=ids, cache=cache, use_cache=True)
+        out = model(input_ids=ids, **cache_arg(cache), use_cache=True)
         exact = {i: layer.storage.sinks for i, layer in enumerate(cache.layers)}
         assert all(s is not None and bool((s.index == 0).all()) for s in exact.values())
         for i in range(30):
-            out = model(input_ids=random_prompt(1, 10 + i), cache=cache, use_cache=True)
+            out = model(input_ids=random_prompt(1, 10 + i), **cache_arg(cache), use_cache=True)
     assert torch.isfinite(out.logits).all()
     for layer in cache.layers:
         s = layer.storage

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import reasonkv
 from reasonkv.core import models
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import check_supported, model_note, model_shape
 from reasonkv.core.random_models import (
     RANDOM_MODELS,
@@ -133,7 +134,7 @@ def test_a_small_random_model_compresses(name: str, method: str, budget: int, kn
     check_supported(model.config)
     cache = reasonkv.make_cache(model, method, budget, **knobs)
     prompt = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
-    out = model.generate(input_ids=prompt, cache=cache, max_new_tokens=40, do_sample=False)
+    out = model.generate(input_ids=prompt, **cache_arg(cache), max_new_tokens=40, do_sample=False)
     assert out.shape == (1, 56)
     assert cache.n_compressions > 0
     memory = cache.memory()

@@ -10,6 +10,7 @@ import torch
 from conftest import TEST_DEVICE
 from method_helpers import assert_no_eviction_matches_stock, flat_llama, greedy, kept_tokens, padded_prompts
 from reasonkv import make_cache
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.policy import EMPTY, Observation, RKVScorer, protected_mask, select_tokens
 
 
@@ -201,7 +202,7 @@ def test_rkv_memory_stays_bounded_over_300_steps(model):
     caps, physical = [], []
     with torch.no_grad():
         for _ in range(300):
-            logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+            logits = model(input_ids=ids, **cache_arg(cache), use_cache=True).logits
             ids = logits[:, -1:].argmax(-1)
             live = cache.memory()["live_tokens"]
             assert int(live.max()) <= budget + interval - 1

@@ -11,6 +11,7 @@ import torch
 from conftest import TEST_DEVICE
 from method_helpers import assert_no_eviction_matches_stock, flat_llama, greedy, kept_tokens, padded_prompts
 from reasonkv import make_cache
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.policy import EMPTY, Observation, RPCScorer, protected_mask, select_tokens
 from reasonkv.core.policy.schedules import PeriodicRatio
 
@@ -144,7 +145,7 @@ def test_rpc_fires_at_the_papers_steps_and_keeps_the_papers_counts(model):
     out = ids
     with torch.no_grad():
         for t in range(steps + 1):
-            logits = model(input_ids=out, attention_mask=mask, cache=cache, use_cache=True).logits
+            logits = model(input_ids=out, attention_mask=mask, **cache_arg(cache), use_cache=True).logits
             out = logits[:, -1:].argmax(-1)
             mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype, device=mask.device)], dim=1)
             fired = sum(e.seen - ids.shape[1] == t for e in cache.events)
@@ -175,7 +176,7 @@ def test_rpc_memory_follows_the_ratio_over_300_steps(model):
     expected = expected_generated(300, P, P // C, R)
     with torch.no_grad():
         for t in range(301):
-            logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+            logits = model(input_ids=ids, **cache_arg(cache), use_cache=True).logits
             ids = logits[:, -1:].argmax(-1)
             live = cache.memory()["live_tokens"]
             held = 10 + (expected[t - 1] if t else 0)

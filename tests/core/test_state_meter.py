@@ -15,6 +15,7 @@ import reasonkv
 from conftest import greedy_loop, left_pad, random_prompt, tiny_model
 from method_helpers import profile_knobs, tiny_group
 from reasonkv.core.cache import EventLog, LayerPolicy
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.memory_meter import held_bytes
 from reasonkv.core.policy.contract import Allocator, HeadAllocator, Scorer
 from reasonkv.core.policy.schedules import Schedule
@@ -101,12 +102,12 @@ def test_the_meter_counts_every_tensor_the_cache_holds(method: str, storage: str
         assert mem["state_bytes"] >= mem["kv_bytes"] and mem["peak_state_bytes"] >= mem["peak_kv_bytes"]
 
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, **cache_arg(cache), use_cache=True)
         check(cache, ids.shape[1])
         token = out.logits[:, -1:].argmax(-1)
         for _ in range(40):
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-            out = model(input_ids=token, attention_mask=mask, cache=cache, use_cache=True)
+            out = model(input_ids=token, attention_mask=mask, **cache_arg(cache), use_cache=True)
             check(cache, mask.shape[1])
             token = out.logits[:, -1:].argmax(-1)
     if reasonkv.get_method(method).compresses:

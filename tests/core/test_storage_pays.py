@@ -26,6 +26,7 @@ import torch
 
 from conftest import build_tiny_model, random_prompt
 from reasonkv.core import quantized_peak
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.methods.api import make_cache, unchecked_storage
 from reasonkv.methods.knobs import HEAD_SPLIT_MARGIN, KnobError
 
@@ -85,9 +86,9 @@ def steps_for(cache) -> int:
 def decode(cache) -> tuple[int, int]:
     """(peak_kv_bytes_16bit, the most slots any layer ever quantized) over the run."""
     ids, quantized = tokens(), 0
-    model()(input_ids=ids[:, :PROMPT], cache=cache)
+    model()(input_ids=ids[:, :PROMPT], **cache_arg(cache))
     for i in range(PROMPT, PROMPT + steps_for(cache)):
-        model()(input_ids=ids[:, i : i + 1], cache=cache)
+        model()(input_ids=ids[:, i : i + 1], **cache_arg(cache))
         quantized = max(quantized, *(getattr(layer.storage, "q_used", 0) for layer in cache.layers))
     return cache.memory()["peak_kv_bytes_16bit"], quantized
 

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 import reasonkv
 from cli_helpers import CharTokenizer, errors_of, runner, tiny_llama
 from reasonkv.cli import evaluate as accuracy_cli
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.harness import accuracy as accuracy_module
 from reasonkv.harness import datasets as ds
 from reasonkv.harness.accuracy import INSTRUCTION, THINK_CLOSE, build_prompt, evaluate, sample_rows
@@ -288,11 +289,11 @@ def test_think_budget_closes_thinking_and_continues_on_the_same_cache() -> None:
     # fresh DynamicCache up to the cap (the run must equal it token for token).
     prompt = tokenizer([build_prompt(tokenizer, rows[0]["problem"])], return_tensors="pt")["input_ids"]
     greedy = dict(do_sample=False, pad_token_id=0, temperature=None, top_p=None, top_k=None)
-    first = model.generate(input_ids=prompt, cache=DynamicCache(), max_new_tokens=10, **greedy)
+    first = model.generate(input_ids=prompt, **cache_arg(DynamicCache()), max_new_tokens=10, **greedy)
     close = torch.tensor([tokenizer(THINK_CLOSE)["input_ids"]])
     second_in = torch.cat([first, close], dim=1)
     left = 30 - 10 - close.shape[1]
-    second = model.generate(input_ids=second_in, cache=DynamicCache(), max_new_tokens=left, **greedy)
+    second = model.generate(input_ids=second_in, **cache_arg(DynamicCache()), max_new_tokens=left, **greedy)
     expected = tokenizer.batch_decode([second[0, prompt.shape[1] :]])[0]
     assert result["problems"][0]["outputs"] == [expected]
     assert result["problems"][0]["lengths"] == [30] and result["truncation_rate"] == 1.0

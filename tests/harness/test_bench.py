@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from cli_helpers import bench_app
 from conftest import N_LAYERS, greedy_loop, random_prompt, tiny_model
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.harness import bench
 from reasonkv.harness.replay import compare_logits
 from reasonkv.methods.api import make_cache
@@ -110,9 +111,9 @@ def test_marks_report_exactly_what_cache_memory_reports() -> None:
         # A second cache stepped by hand to each mark holds exactly the reported bytes.
         twin = make_cache(model, run.method, run.budget, **run.knobs)
         with torch.no_grad():
-            model(input_ids=prompt, cache=twin)
+            model(input_ids=prompt, **cache_arg(twin))
             for i in range(45):
-                model(input_ids=tokens[i : i + 1].view(1, 1).to(prompt.device), cache=twin)
+                model(input_ids=tokens[i : i + 1].view(1, 1).to(prompt.device), **cache_arg(twin))
                 if i + 1 in lengths:
                     mem = twin.memory()
                     mark = result["marks"][lengths.index(i + 1)]

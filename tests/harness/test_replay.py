@@ -17,6 +17,7 @@ from cli_helpers import CharTokenizer, errors_of, tiny_llama
 from conftest import N_LAYERS, build_tiny_model, random_prompt, tiny_model
 from method_helpers import profile_knobs
 from reasonkv.cli import replay as replay_cli
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import resolve_device, resolve_dtype
 from reasonkv.harness.replay import (
     ReplayResult,
@@ -146,7 +147,7 @@ def test_chunk_plan_ends_exactly_where_decoding_compresses(method: str) -> None:
     ids = trace_ids(seed=6)
     checked = 0
     with torch.no_grad():
-        model(input_ids=ids[:, :PROMPT], cache=cache)
+        model(input_ids=ids[:, :PROMPT], **cache_arg(cache))
         pos = PROMPT
         while pos < TRACE:
             plan = chunk_plan(cache)
@@ -154,7 +155,7 @@ def test_chunk_plan_ends_exactly_where_decoding_compresses(method: str) -> None:
                 break
             for step in range(1, plan + 1):
                 before = cache.n_compressions
-                model(input_ids=ids[:, pos : pos + 1], cache=cache)
+                model(input_ids=ids[:, pos : pos + 1], **cache_arg(cache))
                 pos += 1
                 fired = cache.n_compressions > before
                 assert fired == (step == plan), f"plan {plan}: compression after token {step}? {fired}"
@@ -169,9 +170,9 @@ def test_chunk_plan_by_hand() -> None:
     def planned(method: str, budget: int | None, feed: int = 0, **knobs) -> tuple[int | None, object]:
         cache = reasonkv.make_cache(model, method, budget, **knobs)
         with torch.no_grad():
-            model(input_ids=prompt, cache=cache)
+            model(input_ids=prompt, **cache_arg(cache))
             if feed:
-                model(input_ids=trace_ids(seed=8, n=feed), cache=cache)
+                model(input_ids=trace_ids(seed=8, n=feed), **cache_arg(cache))
         return chunk_plan(cache), cache
 
     # FixedBuffer: compress at budget + interval real tokens per head: 24 - 10 prompt tokens to go.

@@ -15,6 +15,7 @@ from transformers import (
 
 import reasonkv
 from conftest import build_tiny_model, dynamic_cache, greedy_loop, random_prompt, tiny_model
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import check_supported
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
@@ -121,12 +122,12 @@ def test_a_cache_used_with_another_model_of_the_same_shape_is_refused() -> None:
     reasonkv.install_attention(second)
     prompt = random_prompt(6, seed=0)
     with pytest.raises(RuntimeError, match="made for another model"):
-        second(input_ids=prompt, cache=cache)
+        second(input_ids=prompt, **cache_arg(cache))
 
     cache = reasonkv.make_cache(first, "snapkv", 16)
-    first(input_ids=prompt, cache=cache)
+    first(input_ids=prompt, **cache_arg(cache))
     with pytest.raises(RuntimeError, match="made for another model"):
-        second(input_ids=prompt[:, :1], cache=cache)
+        second(input_ids=prompt[:, :1], **cache_arg(cache))
 
 
 def test_a_cache_used_with_a_model_of_another_shape_is_refused() -> None:
@@ -136,12 +137,12 @@ def test_a_cache_used_with_a_model_of_another_shape_is_refused() -> None:
 
     cache = reasonkv.make_cache(gqa, "snapkv", 16)
     with pytest.raises((RuntimeError, ValueError), match="model"):
-        mha(input_ids=prompt, cache=cache)
+        mha(input_ids=prompt, **cache_arg(cache))
 
     cache = reasonkv.make_cache(gqa, "snapkv", 16)
-    gqa(input_ids=prompt, cache=cache)
+    gqa(input_ids=prompt, **cache_arg(cache))
     with pytest.raises(RuntimeError, match="another model"):
-        mha(input_ids=prompt[:, :1], cache=cache)
+        mha(input_ids=prompt[:, :1], **cache_arg(cache))
 
 
 def test_a_model_without_reasonkv_attention_is_refused_at_the_next_step() -> None:
@@ -151,9 +152,9 @@ def test_a_model_without_reasonkv_attention_is_refused_at_the_next_step() -> Non
     cache = reasonkv.make_cache(owner, "snapkv", 16)
     assert stock.config._attn_implementation == "sdpa"
     prompt = random_prompt(6, seed=0)
-    stock(input_ids=prompt, cache=cache)
+    stock(input_ids=prompt, **cache_arg(cache))
     with pytest.raises(RuntimeError, match="attention function did not run"):
-        stock(input_ids=prompt[:, :1], cache=cache)
+        stock(input_ids=prompt[:, :1], **cache_arg(cache))
 
 
 def test_an_unsupported_attention_backend_is_refused() -> None:
@@ -166,7 +167,7 @@ def test_an_unsupported_attention_backend_is_refused() -> None:
 def test_a_compressed_cache_cannot_be_cropped() -> None:
     model = tiny_model("llama")
     cache = reasonkv.make_cache(model, "snapkv", 16)
-    model(input_ids=random_prompt(6, seed=0), cache=cache)
+    model(input_ids=random_prompt(6, seed=0), **cache_arg(cache))
     with pytest.raises(NotImplementedError, match="cannot be cropped") as err:
         cache.crop(-3)
     assert "assisted decoding and prompt lookup" in str(err.value)

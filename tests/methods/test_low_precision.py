@@ -12,6 +12,7 @@ from transformers import DynamicCache
 import reasonkv
 from conftest import build_tiny_model, random_prompt
 from method_helpers import profile_knobs, tiny_group
+from reasonkv.core.hf_compat import cache_arg
 
 METHODS = sorted(reasonkv.available_methods())
 NEW_TOKENS = 24
@@ -28,7 +29,7 @@ def greedy(model, prompt, cache):
         return model.generate(
             input_ids=prompt,
             attention_mask=torch.ones_like(prompt),
-            cache=cache,
+            **cache_arg(cache),
             max_new_tokens=NEW_TOKENS,
             do_sample=False,
             pad_token_id=0,

@@ -11,6 +11,7 @@ import torch
 
 import reasonkv
 from conftest import N_LAYERS, build_tiny_model, greedy_loop, random_prompt, tiny_model
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.policy.allocators.reasonalloc import EntropyHeadSplit, layer_budgets
 from reasonkv.core.policy.base import Observation
 from reasonkv.harness.profile import curve_agreement, plot_wave, profile_trace
@@ -123,6 +124,7 @@ def test_diffuse_preference_reverses_the_split(tmp_path) -> None:
 
 
 def test_wave_plot_and_curve_agreement(tmp_path) -> None:
+    pytest.importorskip("matplotlib", reason="plots need the eval extra: pip install 'reasonkv[eval]'")
     profile = {
         "model": "tiny",
         "traces": ["a", "b"],
@@ -199,7 +201,7 @@ def test_step_utility_is_a_running_mean_over_every_query(monkeypatch, entropy_ev
         return original(self, step, keys, state)
 
     monkeypatch.setattr(EntropyHeadSplit, "on_step", spy)
-    model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=14, do_sample=False)
+    model.generate(ids, attention_mask=mask, **cache_arg(cache), max_new_tokens=14, do_sample=False)
     assert len(cache.events) > 0  # it compressed along the way (the split read the entropy)
     for layer_idx, layer_calls in calls.items():
         running = [[None, None], [None, None]]

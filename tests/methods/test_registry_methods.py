@@ -9,6 +9,7 @@ import torch
 import reasonkv
 from conftest import HEAD_DIM, N_LAYERS, dynamic_cache, greedy_loop, left_pad, random_prompt, tiny_model
 from method_helpers import profile_knobs, tiny_group
+from reasonkv.core.hf_compat import cache_arg
 
 METHODS = sorted(reasonkv.available_methods())
 PROMPT = 10
@@ -105,10 +106,12 @@ def test_left_padded_batch_equals_rows_alone(method: str, attn: str) -> None:
     kwargs = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False)
 
     cache = small_cache(model, method)
-    batch = model.generate(ids, attention_mask=mask, cache=cache, **kwargs)[:, ids.shape[1] :]
+    batch = model.generate(ids, attention_mask=mask, **cache_arg(cache), **kwargs)[:, ids.shape[1] :]
     if reasonkv.get_method(method).compresses:
         assert cache.events, "the batch run must evict"
 
     for row, prompt in enumerate(rows):
-        alone = model.generate(prompt[None], cache=small_cache(model, method), **kwargs)[0, prompt.numel() :]
+        alone = model.generate(prompt[None], **cache_arg(small_cache(model, method)), **kwargs)[
+            0, prompt.numel() :
+        ]
         assert torch.equal(batch[row], alone), f"row {row} (prompt of {prompt.numel()} tokens) diverged"

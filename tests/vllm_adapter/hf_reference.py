@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from reasonkv.core.hf_compat import cache_arg
+
 
 def selection_margins(step, index: torch.Tensor, scores: torch.Tensor, kept: list[list[int]]) -> list[float]:
     """Per KV head of one compression (row 0), the relative score gap at its keep boundary; inf
@@ -104,7 +106,7 @@ def main(spec_path: str, out_path: str) -> None:
         cache = reasonkv.make_cache(model, own["method"], own["budget"], **own.get("knobs", {}))
         with torch.no_grad():
             out = model.generate(
-                ids, cache=cache, max_new_tokens=spec["max_tokens"], do_sample=False, pad_token_id=0,
+                ids, **cache_arg(cache), max_new_tokens=spec["max_tokens"], do_sample=False, pad_token_id=0,
             )  # fmt: skip
         tokens.append(out[0, ids.shape[1] :].tolist())
     open(out_path, "w").write(json.dumps({"tokens": tokens, "kept": kept}))

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from reasonkv.core.hf_compat import handed_cache
 from reasonkv.core.layer import another_sequence
 
 SDPA, EAGER = "reasonkv_sdpa", "reasonkv_eager"
@@ -117,6 +118,8 @@ def _make_attention(kernel):
             scaling = query.shape[-1] ** -0.5
         q_len = query.shape[2]
         cache = kwargs.get("reasonkv_cache")
+        if cache is None:
+            cache = handed_cache(module.layer_idx)
         if cache is None:
             mask = _plain_mask(attention_mask, q_len, key.shape[2], query.device)
             out, weights = kernel(query, key, value, mask, scaling, is_causal=mask is None and q_len > 1)

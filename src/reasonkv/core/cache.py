@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from reasonkv.core.hf_compat import NEW_CACHE_API, hand_over
 from reasonkv.core.layer import GROWTH_CHUNK, CompressedLayer, another_sequence
 from reasonkv.core.memory_meter import MemoryMeter, held_bytes
 from reasonkv.core.step import LayerPolicy
@@ -235,16 +236,19 @@ class CompressedCache(Cache):
         self._user_defined = value
         self._new_call = self._ids_call = True
 
-    # transformers calls this from every attention module, passing its forward kwargs
-    # (the very dict that then goes to the attention function).
+    # transformers (5.20+) calls this from every attention module, passing its forward kwargs
+    # (the very dict that then goes to the attention function); earlier versions pass none.
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         forward_kwargs = kwargs.get("kwargs")
-        if not isinstance(forward_kwargs, dict):
+        if isinstance(forward_kwargs, dict):
+            forward_kwargs["reasonkv_cache"] = self
+        elif NEW_CACHE_API:
             raise RuntimeError(
                 "this model's attention does not pass its kwargs to cache.update(); reasonkv needs them "
                 "to hand the cache to its attention function (supported: Llama, Qwen2, Qwen3, Mistral)"
             )
-        forward_kwargs["reasonkv_cache"] = self
+        else:
+            hand_over(self, layer_idx)
         with self._timer.section("update"):
             return self.layers[layer_idx].update(key_states, value_states)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.harness.answers import extract_boxed, grader, is_correct
 from reasonkv.harness.eval_stats import aggregate
 from reasonkv.methods.api import GREEDY, make_cache
@@ -81,7 +82,7 @@ def _generate(
     rows = int(inputs["input_ids"].shape[0])
     meter = StoppingCriteriaList([_KVMeter(cache, rows, kv_samples)])
     return model.generate(
-        **inputs, cache=cache, max_new_tokens=max_new_tokens, stopping_criteria=meter, **sampling
+        **inputs, **cache_arg(cache), max_new_tokens=max_new_tokens, stopping_criteria=meter, **sampling
     )
 
 

@@ -22,6 +22,7 @@ from typing import ClassVar
 import torch
 
 from reasonkv.core.cache import CompressedCache, LayerPolicy
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import attention_modules, model_shape
 from reasonkv.core.policy.allocators.reasonalloc import attention_stats
 from reasonkv.core.policy.base import Observation
@@ -80,9 +81,9 @@ def profile_trace(
         scaling=float(modules[0].scaling),
     )
     with torch.no_grad():
-        model(input_ids=ids[:, :prompt_len], cache=cache, logits_to_keep=1)
+        model(input_ids=ids[:, :prompt_len], **cache_arg(cache), logits_to_keep=1)
         for s in range(prompt_len, ids.shape[1], chunk):
-            model(input_ids=ids[:, s : s + chunk], cache=cache, logits_to_keep=1)
+            model(input_ids=ids[:, s : s + chunk], **cache_arg(cache), logits_to_keep=1)
     layers = sorted(observer.entropy)
     ent = torch.stack([torch.stack(observer.entropy[i]) for i in layers], dim=1)
     mass = torch.stack([torch.stack(observer.mass[i]) for i in layers], dim=1)

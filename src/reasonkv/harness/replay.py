@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from reasonkv.core.cache import CompressedCache
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import max_positions
 from reasonkv.harness.replay_plot import plot_fidelity  # noqa: F401 (its old home: callers import it here)
 from reasonkv.harness.traces import ReplayInput, check_replay_input
@@ -327,7 +328,7 @@ class _Batch:
     def forward(self, model, cache, a: int, b: int, **kwargs):
         if self.mask is not None:
             kwargs.update(attention_mask=self.mask[:, :b], position_ids=self.positions[:, a:b])
-        return model(input_ids=self.ids[:, a:b], cache=cache, **kwargs)
+        return model(input_ids=self.ids[:, a:b], **cache_arg(cache), **kwargs)
 
 
 def _layout(inputs: list[ReplayInput], device) -> _Batch:
@@ -542,7 +543,7 @@ def reference_logits(model, input_ids: torch.Tensor, prompt_len: int, block: int
     n = int(ids.shape[1])
     out = []
     with torch.no_grad():
-        model(input_ids=ids[:, :prompt_len], cache=cache, logits_to_keep=1)
+        model(input_ids=ids[:, :prompt_len], **cache_arg(cache), logits_to_keep=1)
         for a in range(prompt_len, n - 1, block):
-            out.append(model(input_ids=ids[:, a : min(a + block, n - 1)], cache=cache).logits[0])
+            out.append(model(input_ids=ids[:, a : min(a + block, n - 1)], **cache_arg(cache)).logits[0])
     return torch.cat(out)

@@ -14,6 +14,7 @@ import torch
 
 from reasonkv.core import attention
 from reasonkv.core.cache import CompressedCache, LayerPolicy
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import ModelShape, attention_modules, model_shape
 from reasonkv.core.policy.knob import MAX_TOKENS
 from reasonkv.methods.knobs import (
@@ -264,7 +265,7 @@ def _pipeline_class() -> type:
                     f"this pipeline makes a fresh reasonkv cache for every batch; do not pass {given[0]}= "
                     "(one cache serves one sequence)"
                 )
-            return super()._forward(model_inputs, cache=self.cache_factory(), **generate_kwargs)
+            return super()._forward(model_inputs, **cache_arg(self.cache_factory()), **generate_kwargs)
 
     return CompressedTextGenerationPipeline
 
@@ -294,6 +295,6 @@ def generate(
     inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)
     inputs = {k: v.to(model.device) for k, v in inputs.items()}
     generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
-    out = model.generate(**inputs, cache=cache, **generate_kwargs)
+    out = model.generate(**inputs, **cache_arg(cache), **generate_kwargs)
     new = out[:, inputs["input_ids"].shape[1] :]
     return tokenizer.batch_decode(new, skip_special_tokens=True), new

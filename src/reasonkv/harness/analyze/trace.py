@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import model_shape
 from reasonkv.harness.analyze.recorder import Recorder, observer_cache
 from reasonkv.harness.analyze.results import MethodResult, TraceAnalysis
@@ -58,9 +59,9 @@ def _track_evictions(lane: _Lane) -> None:
 
 def _survey(model, ids: torch.Tensor, prompt_len: int, recorder: Recorder, block: int, progress) -> None:
     cache = observer_cache(model, recorder)
-    model(input_ids=ids[:, :prompt_len], cache=cache, logits_to_keep=1)
+    model(input_ids=ids[:, :prompt_len], **cache_arg(cache), logits_to_keep=1)
     for a in range(prompt_len, ids.shape[1], block):
-        model(input_ids=ids[:, a : a + block], cache=cache, logits_to_keep=1)
+        model(input_ids=ids[:, a : a + block], **cache_arg(cache), logits_to_keep=1)
         if progress is not None:
             progress("survey", min(block, ids.shape[1] - a))
 
@@ -148,16 +149,16 @@ def analyze_trace(
         lanes.append(_Lane(result, make_cache(model, run.method, budget, **run.knobs)))
     end = n - 1  # the last token predicts nothing: it is fed to the observer alone at the end
     with torch.no_grad():
-        model(input_ids=ids[:, :prompt_len], cache=observer, logits_to_keep=1)
+        model(input_ids=ids[:, :prompt_len], **cache_arg(observer), logits_to_keep=1)
         for lane in lanes:
             t0 = time.perf_counter()
-            model(input_ids=ids[:, :prompt_len], cache=lane.cache, logits_to_keep=1)
+            model(input_ids=ids[:, :prompt_len], **cache_arg(lane.cache), logits_to_keep=1)
             _track_evictions(lane)
             lane.result.seconds += time.perf_counter() - t0
         for a in range(prompt_len, end, block):
             b = min(a + block, end)
             targets = ids[0, a + 1 : b + 1]
-            out = model(input_ids=ids[:, a:b], cache=observer, logits_to_keep=0 if lanes else 1)
+            out = model(input_ids=ids[:, a:b], **cache_arg(observer), logits_to_keep=0 if lanes else 1)
             ref = reference_stats(out.logits[0], targets) if lanes else None
             del out
             for lane in lanes:
@@ -167,7 +168,7 @@ def analyze_trace(
             del ref  # [block, vocab] twice: freed before the next block
             if progress is not None:
                 progress("replay", b - a)
-        model(input_ids=ids[:, end:], cache=observer, logits_to_keep=1)
+        model(input_ids=ids[:, end:], **cache_arg(observer), logits_to_keep=1)
         if progress is not None:
             progress("replay", 1)
     for lane in lanes:
@@ -187,7 +188,7 @@ def _advance(model, lane: _Lane, ids, a, b, ref, targets, stepwise) -> None:
         live = sum(float(layer.n_valid.double().mean()) for layer in layers) / max(1, len(layers))
         # The i-th token of the chunk sees the cache before it plus i tokens (compression comes after).
         lane.result.live_weighted += k * live + k * (k + 1) / 2
-        logits = model(input_ids=ids[:, pos : pos + k], cache=lane.cache).logits[0]
+        logits = model(input_ids=ids[:, pos : pos + k], **cache_arg(lane.cache)).logits[0]
         cmp = compare_to_reference(
             {name: t[pos - a : pos - a + k] for name, t in ref.items()},
             logits,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.core.cache import GROWTH_CHUNK, CompressedCache
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.low_tier import LowTier
 from reasonkv.core.memory_meter import MemoryMeter, held_bytes
 from reasonkv.core.models import model_shape
@@ -190,7 +191,7 @@ class StateShape:
 def state_shape(model, fresh: CompressedCache) -> StateShape:
     """Read a StateShape off `fresh` (a new cache of the method) by feeding it one token."""
     with torch.no_grad():
-        model(input_ids=torch.ones(1, 1, dtype=torch.long, device=model.device), cache=fresh)
+        model(input_ids=torch.ones(1, 1, dtype=torch.long, device=model.device), **cache_arg(fresh))
     meter = fresh.kv_meter
     slot, query, other, window, own = [], [], [], [], meter.beside_of("cache")
     for layer in fresh.layers:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from reasonkv.core.cache import CompressedCache
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.harness.bench.memory import cache_bytes, current_rss
 from reasonkv.harness.bench.runs import reference_method
 from reasonkv.methods.api import make_cache
@@ -111,7 +112,7 @@ def decode_many(
     tokens = forced[:n].to(device) if forced is not None else torch.empty(n, dtype=torch.long, device=device)
     for j, cache in enumerate(caches):
         start = clock()
-        out = model(input_ids=prompts[j], cache=cache, logits_to_keep=1)
+        out = model(input_ids=prompts[j], **cache_arg(cache), logits_to_keep=1)
         if sync is not None:
             sync()
         prefill[j] = clock() - start
@@ -129,7 +130,7 @@ def decode_many(
             j = (i + r) % count
             ids = token.expand(rows[j], 1)  # every row is fed the same token
             start = clock()
-            out = model(input_ids=ids, cache=caches[j])
+            out = model(input_ids=ids, **cache_arg(caches[j]))
             if sync is not None:
                 sync()
             step_seconds[j][i] = clock() - start

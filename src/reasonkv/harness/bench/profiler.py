@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from reasonkv.core.hf_compat import cache_arg
 from reasonkv.harness.bench.runs import BenchRun
 from reasonkv.harness.bench.timing import SectionTimer, instrument
 from reasonkv.methods.api import make_cache
@@ -51,24 +52,24 @@ def profile_decode(
     device = next(model.parameters()).device  # tokenizers give CPU tensors; the model may be on a GPU
     ids = torch.cat([prompt_ids[0].to(device), tokens.to(device)])[None]
     p = int(prompt_ids.shape[1])
-    model(input_ids=ids[:, :p], cache=cache, logits_to_keep=1)
+    model(input_ids=ids[:, :p], **cache_arg(cache), logits_to_keep=1)
     pos = p
     while pos < p + context:
         plan = chunk_plan(cache)
         k = p + context - pos if plan is None else min(plan, p + context - pos)
-        model(input_ids=ids[:, pos : pos + k], cache=cache, logits_to_keep=1)
+        model(input_ids=ids[:, pos : pos + k], **cache_arg(cache), logits_to_keep=1)
         pos += k
     clock = time.perf_counter
     start = clock()
     for _ in range(steps):  # unprofiled: the honest wall time of these steps
-        model(input_ids=ids[:, pos : pos + 1], cache=cache)
+        model(input_ids=ids[:, pos : pos + 1], **cache_arg(cache))
         pos += 1
     plain = (clock() - start) / steps
     timer.reset()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = clock()
         for _ in range(steps):
-            model(input_ids=ids[:, pos : pos + 1], cache=cache)
+            model(input_ids=ids[:, pos : pos + 1], **cache_arg(cache))
             pos += 1
         profiled = (clock() - start) / steps
     averages = prof.key_averages()
