@@ -119,7 +119,7 @@ def _make_attention(kernel):
         q_len = query.shape[2]
         cache = kwargs.get("reasonkv_cache")
         if cache is None:
-            cache = handed_cache(module.layer_idx)
+            cache = handed_cache(key)  # transformers < 5.20
         if cache is None:
             mask = _plain_mask(attention_mask, q_len, key.shape[2], query.device)
             out, weights = kernel(query, key, value, mask, scaling, is_causal=mask is None and q_len > 1)

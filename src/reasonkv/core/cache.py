@@ -247,10 +247,11 @@ class CompressedCache(Cache):
                 "this model's attention does not pass its kwargs to cache.update(); reasonkv needs them "
                 "to hand the cache to its attention function (supported: Llama, Qwen2, Qwen3, Mistral)"
             )
-        else:
-            hand_over(self, layer_idx)
         with self._timer.section("update"):
-            return self.layers[layer_idx].update(key_states, value_states)
+            keys, values = self.layers[layer_idx].update(key_states, value_states)
+        if not isinstance(forward_kwargs, dict):
+            hand_over(self, keys)
+        return keys, values
 
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
         """generate() hands each step the whole sequence so far. At a call's first step it must

@@ -20,8 +20,10 @@ NEW_CACHE_API = Version(transformers.__version__).release >= (5, 20)
 CACHE_KWARG = "cache" if NEW_CACHE_API else "past_key_values"
 
 # Before 5.20, update() gets no forward kwargs: the cache that last updated a layer is set
-# here and taken (once) by that layer's attention call, which follows it in the same thread.
-_UPDATED: ContextVar[tuple[Any, int] | None] = ContextVar("reasonkv_updated_cache", default=None)
+# here with the key tensor it returned, and taken by the attention call that receives that very
+# tensor (the next call in the same thread); a hand-over left by a forward that failed between
+# the two can never match another call's keys.
+_UPDATED: ContextVar[tuple[Any, Any] | None] = ContextVar("reasonkv_updated_cache", default=None)
 
 
 def cache_arg(cache: Any) -> dict[str, Any]:
@@ -34,14 +36,14 @@ def returned_cache(output: Any) -> Any:
     return getattr(output, CACHE_KWARG)
 
 
-def hand_over(cache: Any, layer_idx: int) -> None:
-    _UPDATED.set((cache, layer_idx))
+def hand_over(cache: Any, keys: Any) -> None:
+    _UPDATED.set((cache, keys))
 
 
-def handed_cache(layer_idx: int) -> Any | None:
-    """The cache that has just updated layer `layer_idx` (and forget it), or None."""
+def handed_cache(keys: Any) -> Any | None:
+    """The cache whose update() returned `keys` (and forget it), or None."""
     handed = _UPDATED.get()
-    if handed is None or handed[1] != layer_idx:
+    if handed is None or handed[1] is not keys:
         return None
     _UPDATED.set(None)
     return handed[0]
