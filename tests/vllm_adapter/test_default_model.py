@@ -3,13 +3,17 @@ on: its kept tokens and greedy outputs equal the HF path's, as for the tiny rand
 
 from __future__ import annotations
 
+import os
+import shlex
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm", reason="no vLLM here: the adapter's tests run in .venv-vllm (make test-vllm)")
 
-from vllm_helpers import ROOT, assert_same_kept, hf_python, run_engine, run_hf  # noqa: E402
+from vllm_helpers import assert_same_kept, run_engine, run_hf  # noqa: E402
 
 TEXT = [
     "Why is the sum of two odd numbers always even? Think step by step.",
@@ -19,15 +23,24 @@ TEXT = [
 
 @pytest.fixture(scope="module")
 def default_model_dir(tmp_path_factory) -> str:
-    python = hf_python()
-    if python is None:
-        pytest.skip("exporting the default model needs the main venv (make venv; or set REASONKV_HF_PYTHON)")
-    out = tmp_path_factory.mktemp("smollm2")
-    script = ROOT / "scripts" / "export_for_vllm.py"
-    proc = subprocess.run([str(python), str(script), str(out)], capture_output=True, text=True, timeout=600)
+    """The bundled model as `reasonkv serve` exports it on first use, in this (vLLM's) venv, into
+    a cache folder of the test's own (--dry-run: the export, then the command, no server)."""
+    cache = tmp_path_factory.mktemp("reasonkv-cache")
+    reasonkv = Path(sys.executable).parent / "reasonkv"
+    env = {**os.environ, "REASONKV_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [str(reasonkv), "serve", "--dry-run"], capture_output=True, text=True, timeout=600, env=env
+    )
     if proc.returncode != 0:
-        raise AssertionError(f"export failed:\n{proc.stderr[-3000:]}")
-    return str(out)
+        raise AssertionError(f"reasonkv serve --dry-run failed:\n{proc.stderr[-3000:]}")
+    folder = cache / "vllm-models" / "smollm2-135m-float32"
+    command = shlex.split(proc.stdout.strip().splitlines()[-1])
+    assert command[command.index("--model") + 1] == str(folder)
+    assert sorted(p.name for p in folder.iterdir() if p.name.endswith((".json", ".safetensors"))) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json",
+    ]  # fmt: skip
+    return str(folder)
 
 
 @pytest.mark.parametrize(

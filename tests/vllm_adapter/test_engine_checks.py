@@ -32,6 +32,8 @@ def config(
     speculative=None,
     kv_transfer=None,
     max_len=1024,
+    eager=True,
+    async_scheduling=False,
     **model,
 ):
     """A VllmConfig's attributes the checks read: a tiny Llama of 4 query heads over 2 KV heads."""
@@ -44,7 +46,8 @@ def config(
         cache_config=SimpleNamespace(cache_dtype=cache_dtype, enable_prefix_caching=True),
         speculative_config=speculative,
         kv_transfer_config=kv_transfer,
-        model_config=Model(hf_config=hf, max_model_len=max_len, **kinds),
+        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+        model_config=Model(hf_config=hf, max_model_len=max_len, enforce_eager=eager, **kinds),
     )
 
 
@@ -61,6 +64,8 @@ def keep_excepthook(monkeypatch):
         ({"cache_dtype": "fp8"}, "kv_cache_dtype 'fp8'"),
         ({"speculative": object()}, "does not run with speculative decoding"),
         ({"kv_transfer": object()}, "does not run with a KV connector"),
+        ({"eager": False}, "runs the model eagerly: set enforce_eager=True"),
+        ({"async_scheduling": True}, "does not run with async scheduling"),
         ({"sliding_window": 512}, "sliding-window layers"),
         ({"use_mla": True}, "multi-head latent attention"),
         ({"is_hybrid": True}, "layers of other kinds"),

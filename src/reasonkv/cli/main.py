@@ -18,6 +18,8 @@ from reasonkv.cli.generate import demo_command, generate_command, methods_comman
 from reasonkv.cli.plot import plot_app
 from reasonkv.cli.profile import profile_command
 from reasonkv.cli.replay import replay_command
+from reasonkv.cli.serve import CONTEXT as SERVE_CONTEXT
+from reasonkv.cli.serve import serve_command
 from reasonkv.cli.sweep import report_command, sweep_command
 from reasonkv.util.version import package_version
 
@@ -66,9 +68,11 @@ COMMANDS = {
     "report": report_command,
     "analyze": analyze_command,
     "bench": bench_command,
+    "serve": serve_command,
 }
+CONTEXTS = {"serve": SERVE_CONTEXT}  # serve passes the options it does not know on to vLLM
 for name, command in COMMANDS.items():  # in the order `reasonkv --help` lists them
-    app.command(name, help=flowed_help(command.__doc__))(command)
+    app.command(name, help=flowed_help(command.__doc__), context_settings=CONTEXTS.get(name))(command)
     if name == "profile":
         app.add_typer(plot_app, name="plot")
 

@@ -144,6 +144,17 @@ def _check_engine(vllm_config) -> None:
         # A connector saves and loads blocks by the tokens their hashes name (and saves each
         # layer before the adapter's step has compacted it).
         raise KnobError("reasonkv in vLLM does not run with a KV connector (kv_transfer_config)")
+    if not vllm_config.model_config.enforce_eager:
+        # Not run: torch.compile of the model around the backend's query copy, or CUDA graphs
+        # (a graph replay would skip the copy and hand the step stale queries).
+        raise KnobError(
+            "reasonkv in vLLM runs the model eagerly: set enforce_eager=True (--enforce-eager); "
+            "a compiled model or CUDA graphs have not been run with it"
+        )
+    if vllm_config.scheduler_config.async_scheduling:
+        # The step after the forward needs this step's lengths, and a block it releases must
+        # not be in use by a step already scheduled.
+        raise KnobError("reasonkv in vLLM does not run with async scheduling (async_scheduling=False)")
     why = _unsupported_model(vllm_config.model_config)
     if why is not None:
         raise KnobError(f"reasonkv in vLLM serves decoder-only models with full attention only: {why}")
