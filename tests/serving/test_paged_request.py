@@ -88,10 +88,11 @@ class Request:
             assert length == self.keys.shape[2]
             return self.keys, (self.values if values else None)
 
-        def write(keys: torch.Tensor, values: torch.Tensor) -> None:
-            self.keys, self.values = keys[None], values[None]
+        def move(slots: torch.Tensor) -> None:
+            self.keys = gather_slots(self.keys[0], slots)[None]
+            self.values = gather_slots(self.values[0], slots)[None]
 
-        self.storage.bind(read, write)
+        self.storage.bind(read, move)
         self.storage.extend(query.shape[2])
         self.step.advance(query.shape[2])
         self.step.after_attention(query, positions[None], scaling)

@@ -4,7 +4,8 @@
 engine core is a separate process). SPEC: model (a folder), dtype, reasonkv (the
 additional_config entry, or null: off), prompts (lists of token ids), max_tokens (one, or one a
 prompt), extra_args (one a prompt, or null), block_size, num_blocks, max_num_seqs,
-max_model_len, max_num_batched_tokens (null: vLLM's default), enable_prefix_caching. The environment chooses
+max_model_len, max_num_batched_tokens (null: vLLM's default), enable_prefix_caching,
+kv_cache_dtype ("auto" unless given). The environment chooses
 the rest: VLLM_PLUGINS=none runs plain vLLM; REASONKV_VLLM_TRACE records the adapter's steps.
 """
 
@@ -24,6 +25,8 @@ def main(spec_path: str, out_path: str) -> None:
         extra["additional_config"] = {"reasonkv": spec["reasonkv"]}
     if "enable_prefix_caching" in spec:
         extra["enable_prefix_caching"] = spec["enable_prefix_caching"]
+    if spec.get("kv_cache_dtype"):
+        extra["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if spec.get("max_num_batched_tokens"):
         extra["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     llm = LLM(

@@ -61,7 +61,7 @@ def keep_excepthook(monkeypatch):
     [
         ({"tp": 2}, "runs one worker: set tensor_parallel_size=1"),
         ({"pp": 2}, "runs one worker"),
-        ({"cache_dtype": "fp8"}, "kv_cache_dtype 'fp8'"),
+        ({"cache_dtype": "fp8_inc"}, "not 'fp8_inc'"),
         ({"speculative": object()}, "does not run with speculative decoding"),
         ({"kv_transfer": object()}, "does not run with a KV connector"),
         ({"eager": False}, "runs the model eagerly: set enforce_eager=True"),

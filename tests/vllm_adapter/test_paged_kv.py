@@ -1,9 +1,10 @@
 """`TileLayout` against vLLM's own write op: what it reads is what the op wrote, slot by slot.
 
-The adapter's reads (scoring, H2O's per-step attention) and writes (compaction) go through this
-layout, so it is checked directly for both dtypes, both block sizes the tests and the docs use,
-and both kernels this CPU can run (`vec` for head dims divisible by 32, `vec16` otherwise),
-including the strided fast paths the common orders take.
+The adapter's reads (scoring, H2O's per-step attention) and moves (compaction) go through this
+layout, so it is checked directly for both dtypes, the fp8 caches (read dequantised as the kernel
+reads them, moved byte for byte), both block sizes the tests and the docs use, and both kernels
+this CPU can run (`vec` for head dims divisible by 32, `vec16` otherwise), including the strided
+fast paths the common orders take.
 """
 
 from __future__ import annotations
@@ -15,47 +16,65 @@ pytest.importorskip("vllm", reason="the vLLM adapter's tests run in .venv-vllm: 
 import torch  # noqa: E402
 from vllm import _custom_ops as ops  # noqa: E402
 
-from reasonkv.serving.vllm.paged_kv import TileLayout, split_cache  # noqa: E402
+from reasonkv.serving.vllm.paged_kv import FP8_FORMATS, TileLayout, split_cache  # noqa: E402
 
 CASES = [
-    (torch.bfloat16, 128, 64, "vec"),
-    (torch.float32, 32, 64, "vec"),
-    (torch.bfloat16, 32, 80, "vec16"),
-    (torch.float32, 16, 48, "vec16"),
+    (torch.bfloat16, 128, 64, "vec", "auto"),
+    (torch.float32, 32, 64, "vec", "auto"),
+    (torch.bfloat16, 32, 80, "vec16", "auto"),
+    (torch.float32, 16, 48, "vec16", "auto"),
+    (torch.float32, 32, 64, "vec", "fp8"),
+    (torch.bfloat16, 32, 64, "vec", "fp8_e4m3"),
+    (torch.float32, 64, 64, "vec", "fp8_e5m2"),
 ]
+SCALES = (0.5, 2.0)  # the layer's k_scale, v_scale: an fp8 read multiplies by them
 
 
-@pytest.mark.parametrize(("dtype", "block_size", "head_dim", "isa"), CASES, ids=str)
-def test_read_returns_what_the_engine_wrote_and_write_round_trips(dtype, block_size, head_dim, isa):
+@pytest.mark.parametrize(("dtype", "block_size", "head_dim", "isa", "kv_dtype"), CASES, ids=str)
+def test_read_returns_what_the_engine_wrote_and_move_is_exact(dtype, block_size, head_dim, isa, kv_dtype):
     gen = torch.Generator().manual_seed(0)
     heads, n_blocks, length = 3, 7, 3 * block_size - 5
-    cache = torch.zeros(n_blocks, heads, block_size, 2 * head_dim, dtype=dtype)
+    stored = dtype if kv_dtype == "auto" else torch.uint8
+    cache = torch.zeros(n_blocks, heads, block_size, 2 * head_dim, dtype=stored)
     blocks = torch.tensor([5, 1, 3], dtype=torch.int32)  # out of order, as a pool hands them out
-    keys = torch.randn(length, heads, head_dim, generator=gen).to(dtype)
-    values = torch.randn(length, heads, head_dim, generator=gen).to(dtype)
+    scales = (1.0, 1.0) if kv_dtype == "auto" else SCALES
+    keys = torch.randn(length, heads, head_dim, generator=gen)
+    values = torch.randn(length, heads, head_dim, generator=gen)
+    if kv_dtype != "auto":  # values an fp8 cache holds exactly (its kernel's rounding is its own)
+        fmt = FP8_FORMATS[kv_dtype]
+        keys, values = (x.to(fmt).float() * scale for x, scale in zip((keys, values), scales, strict=True))
+    keys, values = keys.to(dtype), values.to(dtype)
     j = torch.arange(length)
     slots = blocks[j // block_size].long() * block_size + j % block_size
     key_half, value_half = split_cache(cache)
-    ops.cpu_attn_reshape_and_cache(keys, values, key_half, value_half, slots, isa, kv_cache_dtype="auto")
+    ops.cpu_attn_reshape_and_cache(
+        keys, values, key_half, value_half, slots, isa,
+        k_scale=scales[0], v_scale=scales[1], kv_cache_dtype=kv_dtype,
+    )  # fmt: skip
+    want_k, want_v = keys.transpose(0, 1), values.transpose(0, 1)
 
-    layout = TileLayout(block_size, head_dim, dtype, isa)
-    read_k, read_v = layout.read(cache, blocks, length)
-    assert torch.equal(read_k[0], keys.transpose(0, 1)) and torch.equal(read_v[0], values.transpose(0, 1))
-    only_k, none = layout.read(cache, blocks, length, values=False)
+    layout = TileLayout(block_size, head_dim, dtype, isa, kv_dtype)
+    read_k, read_v = layout.read(cache, blocks, length, scales=scales)
+    assert read_k.dtype == dtype and torch.equal(read_k[0], want_k) and torch.equal(read_v[0], want_v)
+    only_k, none = layout.read(cache, blocks, length, values=False, scales=scales)
     assert none is None and torch.equal(only_k, read_k)
-    assert torch.equal(layout.read_values(cache, blocks, length), read_v)
+    assert torch.equal(layout.read_values(cache, blocks, length, scales[1]), read_v)
 
-    # Compaction: keep every other slot of each head, written back to the first slots.
-    kept = torch.arange(0, length, 2)
-
-    class Layer:
-        _k_scale_float = _v_scale_float = 1.0
-
-    layout.write(cache, blocks, read_k[0][:, kept], read_v[0][:, kept], Layer())
-    back_k, back_v = layout.read(cache, blocks, kept.numel())
-    assert torch.equal(back_k[0], keys[kept].transpose(0, 1)) and torch.equal(
-        back_v[0], values[kept].transpose(0, 1)
-    )
+    # Compaction: each head keeps its own slots, moved to the first ones, bytes unchanged.
+    half = (length + 1) // 2
+    kept = torch.stack([
+        torch.arange(0, length, 2),  # every other slot
+        torch.randperm(length, generator=gen)[:half].sort().values,  # any slots
+        torch.arange(length - half, length),  # the last ones: a move onto overlapping slots
+    ])  # fmt: skip
+    before = cache.clone()
+    layout.move(cache, blocks, kept)
+    back_k, back_v = layout.read(cache, blocks, kept.shape[1], scales=scales)
+    for h in range(heads):
+        assert torch.equal(back_k[0, h], want_k[h, kept[h]]) and torch.equal(back_v[0, h], want_v[h, kept[h]])
+    untouched = torch.ones(n_blocks, dtype=torch.bool)
+    untouched[blocks.long()] = False
+    assert torch.equal(cache[untouched], before[untouched])  # other requests' blocks
 
 
 def test_the_fast_paths_are_the_orders_this_cpu_uses():

@@ -5,8 +5,8 @@ own kernel; what reasonkv adds is the decision of which tokens to keep, made by 
 `LayerStep` (core/step.py) that runs in transformers. `PagedRequestStorage` is the `StepStorage`
 it runs over here: which token each slot holds and the per-token scorer state (one row, the
 request), K/V read from the engine's cache only when a hook asks (`ReadKV`), and a kept selection
-written back into the request's first slots (`WriteKV`), after which the engine frees the blocks
-past the new length.
+moved, as stored, into the request's first slots (`MoveKV`), after which the engine frees the
+blocks past the new length.
 
 One block table is shared by all layers and heads of a request, so every head keeps the same
 number of tokens: only methods with one budget for every layer and head run here (the adapter
@@ -24,18 +24,18 @@ from collections.abc import Callable
 
 import torch
 
-from reasonkv.core.storage import gather_slots
-
 PENDING_QUERIES = 8
 """Decode queries a request's layer sets aside before they join its query window
 (`LayerStep(query_wait=...)`): the window then changes once per this many steps."""
 
 ReadKV = Callable[[int, bool], tuple[torch.Tensor, torch.Tensor | None]]
-"""`read(length, values)`: the request's first `length` stored keys of this layer, [1, H, length, D]
-in slot order, and its values the same way when `values` is true (else None)."""
+"""`read(length, values)`: the request's first `length` keys of this layer, [1, H, length, D] in
+slot order and in the model's dtype (dequantised where the engine stores fp8), and its values the
+same way when `values` is true (else None)."""
 
-WriteKV = Callable[[torch.Tensor, torch.Tensor], None]
-"""`write(keys, values)`: [H, K, D] each, into the request's first K slots of this layer."""
+MoveKV = Callable[[torch.Tensor], None]
+"""`move(slots)`: slots [H, K], ascending per head: each head's K kept slots of this layer, moved
+as the engine stores them (bytes and all: no rounding) into the request's first K slots."""
 
 
 class PagedRequestStorage:
@@ -50,7 +50,7 @@ class PagedRequestStorage:
         self._joined = 0  # tokens [0, _joined) have slots in _token_index; the rest are counted only
         self._counted = 0
         self._read: ReadKV | None = None
-        self._write: WriteKV | None = None
+        self._move: MoveKV | None = None
         self._kv: dict[str, torch.Tensor | None] = {}
         self.compacted = False  # a selection was written this step
 
@@ -59,12 +59,12 @@ class PagedRequestStorage:
         """Count q tokens the engine has written after the held slots."""
         self._counted += q
 
-    def bind(self, read: ReadKV, write: WriteKV) -> None:
+    def bind(self, read: ReadKV, move: MoveKV) -> None:
         """This step's access to the engine's cache (reads are made at most once a step)."""
-        self._read, self._write, self._kv, self.compacted = read, write, {}, False
+        self._read, self._move, self._kv, self.compacted = read, move, {}, False
 
     def unbind(self) -> None:
-        self._read = self._write = None
+        self._read = self._move = None
         self._kv = {}
 
     @property
@@ -122,8 +122,7 @@ class PagedRequestStorage:
                 f"heads keep {new_len.tolist()} tokens; a shared block table needs one count for every head"
             )
         slots = slots[0, :, :kept]  # [H, K] ascending
-        keys, values = self.read_keys()[0], self.read_values()[0]
-        self._write(gather_slots(keys, slots), gather_slots(values, slots))
+        self._move(slots)
         index = self.token_index
         self._token_index = index.gather(2, slots[None])
         self._token_state = {n: t.gather(2, slots[None]) for n, t in self._token_state.items()}

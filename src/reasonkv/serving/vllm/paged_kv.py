@@ -5,7 +5,9 @@ as a key half and a value half of [blocks, KV heads, block size, head dim] each.
 (block, head) tile the kernels may store a token's channels in their own order (the `vec`
 kernels keep keys transposed, [head dim, block size]; AMX and NEON builds differ again), so the
 order is not assumed: `TileLayout` learns it once by writing probe values with vLLM's own write
-op and reading where they landed. Reads go through that map; writes go through the op itself.
+op and reading where they landed. Reads go through that map (dequantised from an fp8 cache by
+the layer's scale); compaction moves the stored elements through it, so an fp8 cache's bytes
+move unchanged (no second rounding) and a 16/32-bit one's values move exactly too.
 """
 
 from __future__ import annotations
@@ -13,8 +15,15 @@ from __future__ import annotations
 import torch
 from vllm import _custom_ops as ops
 
-PROBE_RADIX = 64
-"""Probe values are digits below this, exact in every float type the cache may hold."""
+FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+"""vLLM's fp8 KV cache dtypes and the format of the bytes the CPU backend stores (uint8 tensors)."""
+
+# Probe values are digits below this, exact in the type the cache holds: integers to 255 in
+# bf16/fp16/fp32, to 8 in e5m2 (2 mantissa bits).
+PROBE_RADIX = {"auto": 64, "fp8": 8}
+
+# An integer type of each element size: compaction moves raw elements, whatever they encode.
+RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 def split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,25 +32,44 @@ def split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return kv_cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
 
 
-class TileLayout:
-    """Where token t's channel d of one (block, head) tile lies, for keys and for values."""
+def digits(size: int, radix: int) -> int:
+    """Digits of base `radix` that tell apart the integers below `size`."""
+    n = 1
+    while radix**n < size:
+        n += 1
+    return n
 
-    def __init__(self, block_size: int, head_dim: int, dtype: torch.dtype, isa: str) -> None:
+
+class TileLayout:
+    """Where token t's channel d of one (block, head) tile lies, for keys and for values, in a
+    cache of the model's `dtype` or of one of the `FP8_FORMATS` (`kv_cache_dtype`)."""
+
+    def __init__(
+        self, block_size: int, head_dim: int, dtype: torch.dtype, isa: str, kv_cache_dtype: str = "auto"
+    ) -> None:
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in FP8_FORMATS:
+            raise ValueError(
+                f"reasonkv reads kv_cache_dtype 'auto' or {sorted(FP8_FORMATS)}, not {kv_cache_dtype!r}"
+            )
         self.block_size, self.head_dim, self.isa = block_size, head_dim, isa
+        self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype
+        self.stored = FP8_FORMATS.get(kv_cache_dtype)  # None: the model's dtype
+        radix = PROBE_RADIX["auto" if self.stored is None else "fp8"]
         n = block_size * head_dim
         token = torch.arange(block_size)[:, None].expand(block_size, head_dim).reshape(-1)
         channel = torch.arange(head_dim)[None, :].expand(block_size, head_dim).reshape(-1)
         found = []
         for half in (0, 1):  # keys, values
             source = torch.zeros(n, dtype=torch.long)
-            for index, weight in ((token, head_dim), (channel, 1)):
-                for digit in range(2):
-                    value = (index // PROBE_RADIX**digit) % PROBE_RADIX
+            for index, weight, size in ((token, head_dim, block_size), (channel, 1, head_dim)):
+                for digit in range(digits(size, radix)):
+                    value = (index // radix**digit) % radix
                     landed = self._probe(value.view(block_size, head_dim).to(dtype), half)
-                    source += landed.round().long() * PROBE_RADIX**digit * weight
+                    source += landed.round().long() * radix**digit * weight
             if not torch.equal(source.sort().values, torch.arange(n)):
                 raise RuntimeError(
-                    f"vLLM's CPU cache layout (isa {isa!r}) could not be read: not a permutation"
+                    f"vLLM's CPU cache layout (isa {isa!r}, {kv_cache_dtype}) could not be read: "
+                    "not a permutation"
                 )
             found.append(source.argsort())  # tile position of logical element t * D + d
         self.key_order, self.value_order = found
@@ -60,7 +88,8 @@ class TileLayout:
     def _probe(self, tile: torch.Tensor, half: int) -> torch.Tensor:
         """Write `tile` [block size, head dim] as one block of keys (half 0) or values (1) of
         one head and return the tile's storage, flat, as floats."""
-        cache = torch.zeros(1, 1, self.block_size, 2 * self.head_dim, dtype=tile.dtype)
+        storage = tile.dtype if self.stored is None else torch.uint8
+        cache = torch.zeros(1, 1, self.block_size, 2 * self.head_dim, dtype=storage)
         keys, values = split_cache(cache)
         zeros = torch.zeros_like(tile)
         k, v = (tile, zeros) if half == 0 else (zeros, tile)
@@ -74,28 +103,46 @@ class TileLayout:
             self.isa,
             k_scale=1.0,
             v_scale=1.0,
-            kv_cache_dtype="auto",
+            kv_cache_dtype=self.kv_cache_dtype,
         )
-        return (keys if half == 0 else values).reshape(-1).float()
+        return self._as_numbers(keys if half == 0 else values).reshape(-1).float()
+
+    def _as_numbers(self, stored: torch.Tensor) -> torch.Tensor:
+        """Stored elements as the numbers they encode (fp8 bytes viewed as their format)."""
+        return stored if self.stored is None else stored.contiguous().view(self.stored)
 
     def read(
-        self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int, values: bool = True
+        self,
+        kv_cache: torch.Tensor,
+        blocks: torch.Tensor,
+        length: int,
+        values: bool = True,
+        scales: tuple[float, float] = (1.0, 1.0),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The first `length` slots of a request whose block ids are `blocks`: keys and values
-        [1, KV heads, length, head dim], copies in slot order (values None unless asked)."""
-        key_half, value_half = split_cache(kv_cache)
+        [1, KV heads, length, head dim] in the model's dtype (an fp8 cache's times the layer's
+        `scales`, as its kernel reads them), copies in slot order (values None unless asked)."""
+        key_half = split_cache(kv_cache)[0]
         n = (length + self.block_size - 1) // self.block_size
-        keys = self._read_half(key_half, blocks[:n], length, self.key_order, self.key_view)
-        return keys, (self.read_values(kv_cache, blocks, length) if values else None)
+        keys = self._read_half(key_half, blocks[:n], length, self.key_order, self.key_view, scales[0])
+        return keys, (self.read_values(kv_cache, blocks, length, scales[1]) if values else None)
 
-    def read_values(self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    def read_values(
+        self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int, scale: float = 1.0
+    ) -> torch.Tensor:
         """The values alone, as `read` gives them (for a step that has read the keys already)."""
         n = (length + self.block_size - 1) // self.block_size
         value_half = split_cache(kv_cache)[1]
-        return self._read_half(value_half, blocks[:n], length, self.value_order, self.value_view)
+        return self._read_half(value_half, blocks[:n], length, self.value_order, self.value_view, scale)
 
     def _read_half(
-        self, half: torch.Tensor, blocks: torch.Tensor, length: int, order: torch.Tensor, kind: str
+        self,
+        half: torch.Tensor,
+        blocks: torch.Tensor,
+        length: int,
+        order: torch.Tensor,
+        kind: str,
+        scale: float,
     ) -> torch.Tensor:
         n, heads, bs, d = blocks.numel(), half.shape[1], self.block_size, self.head_dim
         tiles = half[blocks]  # [n, H, bs, D] as stored (a copy)
@@ -103,25 +150,23 @@ class TileLayout:
             tiles = tiles.reshape(n, heads, d, bs).transpose(-1, -2)
         elif kind == "gather":
             tiles = tiles.reshape(n, heads, -1)[..., order].view(n, heads, bs, d)
-        flat = tiles.transpose(0, 1).reshape(heads, n * bs, d)  # [H, n * bs, D] in slot order
-        return flat[None, :, :length]
+        flat = tiles.transpose(0, 1).reshape(heads, n * bs, d)[:, :length]  # [H, length, D], slot order
+        if self.stored is not None:
+            flat = flat.view(self.stored).to(self.dtype)
+            if scale != 1.0:
+                flat = flat * scale
+        return flat[None]
 
-    def write(
-        self, kv_cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer
-    ) -> None:
-        """Write keys and values [KV heads, K, head dim] into the request's first K slots."""
-        key_half, value_half = split_cache(kv_cache)
-        k = keys.shape[1]
-        j = torch.arange(k)
-        slots = blocks[j // self.block_size].long() * self.block_size + j % self.block_size
-        ops.cpu_attn_reshape_and_cache(
-            keys.transpose(0, 1).contiguous(),
-            values.transpose(0, 1).contiguous(),
-            key_half,
-            value_half,
-            slots,
-            self.isa,
-            k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float,
-            kv_cache_dtype="auto",
-        )
+    def move(self, kv_cache: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor) -> None:
+        """Compaction: each head's kept `slots` [H, K] (ascending) into the request's first K
+        slots, keys and values, as stored (raw elements: exact for every cache dtype)."""
+        heads, k = slots.shape
+        bs, d = self.block_size, self.head_dim
+        j = torch.arange(k, device=slots.device)
+        channel = torch.arange(d, device=slots.device)
+        head = torch.arange(heads, device=slots.device)[:, None, None]
+        for half, order in zip(split_cache(kv_cache), (self.key_order, self.value_order), strict=True):
+            raw = half.view(RAW[half.element_size()]).flatten(2)  # [blocks, H, bs * D], a view
+            src = (blocks[slots // bs].long()[..., None], order[((slots % bs) * d)[..., None] + channel])
+            dst = (blocks[j // bs].long()[None, :, None], order[((j % bs) * d)[:, None] + channel][None])
+            raw[dst[0], head, dst[1]] = raw[src[0], head, src[1]]  # read in full, then written

@@ -19,6 +19,7 @@ from reasonkv.methods.api import build_policy
 from reasonkv.methods.knobs import KnobError
 from reasonkv.serving.paged_request import PENDING_QUERIES
 from reasonkv.serving.request_limits import check_fits
+from reasonkv.serving.vllm.paged_kv import FP8_FORMATS
 from reasonkv.serving.vllm.settings import CONFIG_KEY, read_settings, request_settings
 from reasonkv.serving.vllm.worker_state import WorkerState
 
@@ -134,9 +135,10 @@ def _check_engine(vllm_config) -> None:
             "reasonkv in vLLM runs one worker: set tensor_parallel_size=1, pipeline_parallel_size=1"
         )
     cache = vllm_config.cache_config
-    if cache.cache_dtype != "auto":
+    if cache.cache_dtype != "auto" and cache.cache_dtype not in FP8_FORMATS:
         raise KnobError(
-            f"reasonkv in vLLM reads the cache in the model's dtype: kv_cache_dtype {cache.cache_dtype!r}"
+            f"reasonkv in vLLM reads kv_cache_dtype 'auto' or {', '.join(map(repr, FP8_FORMATS))}, "
+            f"not {cache.cache_dtype!r}"
         )
     if vllm_config.speculative_config is not None:
         raise KnobError("reasonkv in vLLM does not run with speculative decoding")

@@ -60,7 +60,7 @@ def unsupported(method: str, knobs: dict[str, Any]) -> str | None:
     if int(merged.get("kv_bits", 16)) < 16 or int(merged.get("low_budget", 0)) > 0:
         return (
             "quantized storage (kv_bits < 16) and the two-tier cache (low_budget) are reasonkv's own "
-            "storage, not vLLM's: for a quantized KV cache serve without reasonkv (kv_cache_dtype='fp8')"
+            "storage, not vLLM's: for a quantized KV cache use vLLM's own, kv_cache_dtype='fp8'"
         )
     return None
 

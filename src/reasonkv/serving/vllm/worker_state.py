@@ -176,10 +176,11 @@ class WorkerState:
         state = self.requests.get(rid)
         return 0 if state is None else state.dropped
 
-    def layout(self, dtype: torch.dtype, isa: str) -> TileLayout:
-        key = (dtype, isa)
+    def layout(self, dtype: torch.dtype, isa: str, kv_cache_dtype: str) -> TileLayout:
+        """The tile layout of a cache of `kv_cache_dtype` for a model of `dtype` (learnt once)."""
+        key = (dtype, isa, kv_cache_dtype)
         if key not in self.layouts:
-            self.layouts[key] = TileLayout(self.block_size, self.head_dim, dtype, isa)
+            self.layouts[key] = TileLayout(self.block_size, self.head_dim, dtype, isa, kv_cache_dtype)
         return self.layouts[key]
 
     def begin_step(self, batch: StepBatch) -> None:
@@ -223,7 +224,9 @@ class WorkerState:
 
     def _layer_step(self, layer_idx: int, held: HeldLayer, starts: list[int]) -> None:
         batch, kv_cache, query = self.batch, held.kv_cache, held.queries
-        layout = self.layout(kv_cache.dtype, held.layer.isa)
+        layer = held.layer
+        layout = self.layout(query.dtype, layer.isa, getattr(layer, "kv_cache_dtype", "auto"))
+        scales = (layer._k_scale_float, layer._v_scale_float)  # fp8: what the kernel multiplies by
         for i, rid in enumerate(batch.req_ids):
             start, end = starts[i], starts[i + 1]
             if end <= start:
@@ -239,13 +242,13 @@ class WorkerState:
             # The defaults bind this iteration's request (the storage calls them inside the step).
             def read(length: int, values: bool, blocks=blocks):
                 if values:
-                    return None, layout.read_values(kv_cache, blocks, length)
-                return layout.read(kv_cache, blocks, length, False)
+                    return None, layout.read_values(kv_cache, blocks, length, scales[1])
+                return layout.read(kv_cache, blocks, length, False, scales)
 
-            def write(keys: torch.Tensor, values: torch.Tensor, blocks=blocks) -> None:
-                layout.write(kv_cache, blocks, keys, values, held.layer)
+            def move(slots: torch.Tensor, blocks=blocks) -> None:
+                layout.move(kv_cache, blocks, slots)
 
-            storage.bind(read, write)
+            storage.bind(read, move)
             storage.extend(end - start)
             step.advance(end - start)
             q = query[start:end].transpose(0, 1)[None]  # [1, Hq, q, D]
