@@ -10,6 +10,10 @@ steps for the table). Runs go one after another, each in a fresh process (a vLLM
 processes of its own); plain vLLM runs first and last, so drift on a busy machine shows as the
 gap between its two runs.
 
+A run named `METHOD@fp8` (also `@fp8_e5m2`; `plain@fp8` for vLLM alone) stores the KV cache in
+vLLM's fp8 format, in a pool of the same bytes: `--blocks` counts blocks of the model's dtype,
+and an fp8 run gets as many more blocks as its elements are smaller (twice, from bf16).
+
 Run with the vLLM venv's Python; the model is a folder vLLM loads (the default model:
 `.venv/bin/python scripts/export_for_vllm.py build/smollm2-135m`):
 
@@ -39,15 +43,22 @@ def worker(spec: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     extra = {}
-    if spec["method"] != PLAIN:
-        extra["additional_config"] = {"reasonkv": {"method": spec["method"], "budget": spec["budget"]}}
+    method, kv = split_run(spec["method"])
+    if method != PLAIN:
+        extra["additional_config"] = {"reasonkv": {"method": method, "budget": spec["budget"]}}
+    blocks = spec["blocks"]
+    if kv != "auto":  # the same bytes: one-byte elements instead of the model dtype's
+        import torch
+
+        extra["kv_cache_dtype"] = kv
+        blocks *= getattr(torch, spec["dtype"]).itemsize
     llm = LLM(
         model=spec["model"],
         dtype=spec["dtype"],
         max_model_len=spec["max_model_len"],
         enforce_eager=True,
         block_size=spec["block_size"],
-        num_gpu_blocks_override=spec["blocks"],
+        num_gpu_blocks_override=blocks,
         max_num_seqs=spec["requests"],
         disable_log_stats=False,
         seed=0,
@@ -69,6 +80,12 @@ def worker(spec: dict) -> dict:
             preempted += m.num_preemptions
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"wall_s": wall, "tokens": tokens, "ttft_s": ttft, "tpot_s": tpot, "preemptions": preempted}
+
+
+def split_run(name: str) -> tuple[str, str]:
+    """A run's method and KV cache dtype: "snapkv@fp8" -> ("snapkv", "fp8"), "h2o" -> ("h2o", "auto")."""
+    method, _, kv = name.partition("@")
+    return method, kv or "auto"
 
 
 def run(spec: dict, trace: Path) -> dict:
@@ -170,7 +187,7 @@ def main() -> None:
             if args.out:  # after every run: an interrupted benchmark resumes from here
                 save(args.out, command, settings, order, rows)
     plain = statistics.fmean(r["tok_s"] for r in rows if r["method"] == PLAIN)
-    print(f"\n{'method':<12}{'tok/s':>8}{'x plain':>9}{'running':>9}{'mean':>7}{'preempt':>9}{'KV use':>8}"
+    print(f"\n{'method':<16}{'tok/s':>8}{'x plain':>9}{'running':>9}{'mean':>7}{'preempt':>9}{'KV use':>8}"
           f"{'TTFT s':>8}{'TPOT ms':>9}")  # fmt: skip
     for r in rows:
         r["vs_plain"] = r["tok_s"] / plain
@@ -181,7 +198,7 @@ def main() -> None:
         ttft = f"{r['ttft_s']:>8.2f}" if r["ttft_s"] is not None else f"{'-':>8}"
         tpot = f"{1000 * r['tpot_s']:>9.1f}" if r["tpot_s"] is not None else f"{'-':>9}"
         print(
-            f"{r['method']:<12}{r['tok_s']:>8.1f}{r['vs_plain']:>9.2f}{running}{r['preemptions']:>9}{usage}{ttft}{tpot}"
+            f"{r['method']:<16}{r['tok_s']:>8.1f}{r['vs_plain']:>9.2f}{running}{r['preemptions']:>9}{usage}{ttft}{tpot}"
         )
     if args.out:
         save(args.out, command, settings, order, rows)
