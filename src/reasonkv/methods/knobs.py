@@ -318,12 +318,12 @@ def knobs_for_methods(
             mine = {k: v for k, v in mine.items() if k in storage_knobs(spec)}
         out[name] = check_knobs(spec, mine)
         if out[name].get("low_budget") and "low_bits" not in out[name]:
-            # A two-tier unit records its tier's width: the default changed once (2 -> 4), and
-            # a sweep unit's key, made from these knobs, must not stand for both.
+            # A two-tier unit records its tier's width in its knobs, from which a sweep unit's
+            # key is made: a key then names one width whatever the default is.
             out[name]["low_bits"] = spec.knobs()["low_bits"]
         if "group_size" not in out[name] and stores_quantized(name, out[name]):
-            # Likewise a unit stored below 16 bits records its group: the default changed once
-            # (16 -> 32), and the published units of 16 spell it (examples/bytes/).
+            # Likewise a unit stored below 16 bits records its group size (the published units
+            # in examples/bytes/ spell it).
             out[name]["group_size"] = spec.knobs()["group_size"]
     return out
 

@@ -207,11 +207,9 @@ class BeaconKVScorer(Scorer):
     time (all layers in one pass), or when scoring needs the buffers. Continual FPS fed in
     chunks equals FPS fed one point at a time (`add_points`), so the beacons do not depend on
     it. The queue is the cache's own query history (`query_backlog`), so a decode step only
-    counts: no tensor op per layer. The queue is held beside the K/V (16 + 8 queries a head and
-    layer, not the 16 scoring reads): a feed of all layers costs about as much for one query as
-    for 32, so feeding every step (upkeep_every=1, 17 held) made BeaconKV's own work per step
-    1.9-2.7x that at 32 (benchmarks/beacon_upkeep.py); 8 feeds a quarter as often as 1 (not
-    measured at 8). 32 (48 held) was the default before the state meter."""
+    counts: no tensor op per layer. Why batch: a feed of all layers costs about as much for one
+    query as for many. Why not more: the queue is held beside the K/V (`recent` + this many
+    queries a head and layer). Measured: docs/performance.md (benchmarks/beacon_upkeep.py)."""
     beacon_scope: Literal["query_head", "kv_head"] = "query_head"
     beacon_feed: Literal["all", "generated", "no_sinks"] = "generated"
     beacon_bits: Literal[16, 8] = 16
