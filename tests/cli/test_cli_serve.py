@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -39,8 +40,9 @@ def option(command: list[str], flag: str) -> str:
 
 def test_the_bundled_model_is_served_from_its_export_with_the_method_and_vllms_options(cache_dir) -> None:
     command = dry_run(
-        "--method", "beaconkv", "-b", "256", "--set", "beacon_max=24", "--max-model-len", "4096"
-    )
+        "--method", "beaconkv", "--budget", "256", "--set", "beacon_max=24",
+        "--max-model-len", "4096", "-tp", "1",
+    )  # fmt: skip
     assert command[1:3] == ["-m", SERVER_MODULE]
     assert option(command, "--model") == str(cache_dir)
     assert option(command, "--served-model-name") == "smollm2-135m"
@@ -49,7 +51,15 @@ def test_the_bundled_model_is_served_from_its_export_with_the_method_and_vllms_o
     }
     assert "--enforce-eager" in command
     assert (option(command, "--host"), option(command, "--port")) == ("127.0.0.1", "8000")
-    assert command[-2:] == ["--max-model-len", "4096"]  # vLLM's own options, unchanged, last
+    assert command[-4:] == ["--max-model-len", "4096", "-tp", "1"]  # vLLM's own options, unchanged, last
+
+
+def test_vllms_short_flags_are_vllms() -> None:
+    """-sc, -dpb, -dpm are vLLM's (speculative config, data-parallel backend and mode): serve
+    declares no short options that could take them."""
+    command = dry_run("/some/folder", "-sc", "{}", "-dpb", "mp", "-dpm", "x")
+    assert command[-6:] == ["-sc", "{}", "-dpb", "mp", "-dpm", "x"]
+    assert option(command, "--additional-config") == '{"reasonkv": {"method": "snapkv", "budget": 512}}'
 
 
 def test_a_folder_is_served_as_it_is_and_the_kv_space_is_set(cache_dir, tmp_path) -> None:
@@ -88,6 +98,8 @@ def test_the_model_is_the_first_word_or_the_default() -> None:
         (["--model", "x"], "--model is this command's own"),
         (["--additional-config", "{}"], "--additional-config is this command's own"),
         (["--additional-config={}"], "--additional-config is this command's own"),
+        (["--additional_config", "{}"], "--additional-config is this command's own"),
+        (["--set", "foo"], "--set takes key=value, got 'foo'"),
         (["--kv-space", "0"], "--kv-space must be a positive whole number of GiB"),
         (["--export-dtype", "int8"], "--export-dtype must be float32 or bfloat16"),
     ],
@@ -112,7 +124,7 @@ def test_the_export_runs_once_and_an_interrupted_one_leaves_nothing(tmp_path, mo
 
     def fake_export(out: Path, name: str, dtype: str) -> Path:
         made.append((name, dtype))
-        out.mkdir(parents=True)
+        out.mkdir(parents=True, exist_ok=True)
         (out / "model.safetensors").write_text("weights")
         if len(made) == 1:
             raise KeyboardInterrupt  # the first export is cut off halfway
@@ -129,3 +141,26 @@ def test_the_export_runs_once_and_an_interrupted_one_leaves_nothing(tmp_path, mo
     assert len(made) == 2 and sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
     gguf = model_folder.cached_folder_path(str(tmp_path / "a" / "m.gguf"))
     assert gguf.name.startswith("m-") and gguf != model_folder.cached_folder_path(str(tmp_path / "b/m.gguf"))
+
+
+def test_an_export_finished_elsewhere_meanwhile_is_kept_and_stale_partials_are_swept(tmp_path, monkeypatch):
+    """Two processes exporting at once: the one that finishes second throws its copy away and
+    serves the first's (never replaced: a server may be reading it); a temporary folder left a
+    day by a killed export is removed by the next export."""
+    monkeypatch.setenv(model_folder.CACHE_ENV, str(tmp_path))
+    final = model_folder.cached_folder_path("smollm2-135m")
+    final.parent.mkdir(parents=True)
+    stale = final.parent / f"{final.name}{model_folder.PARTIAL}killed"
+    stale.mkdir()
+    os.utime(stale, (0, 0))
+
+    def export_while_another_finishes(out: Path, name: str, dtype: str) -> Path:
+        final.mkdir()
+        (final / "config.json").write_text('{"by": "the other process"}')
+        (out / "config.json").write_text('{"by": "this process"}')
+        return out
+
+    monkeypatch.setattr(model_folder, "export_model_folder", export_while_another_finishes)
+    assert model_folder.cached_model_folder("smollm2-135m") == (final, False)
+    assert json.loads((final / "config.json").read_text()) == {"by": "the other process"}
+    assert [p.name for p in final.parent.iterdir()] == [final.name]  # no partial, stale one swept

@@ -21,6 +21,8 @@ def test_the_cache_keyword_follows_the_installed_version() -> None:
 def test_a_hand_over_is_taken_once_and_only_with_the_keys_update_returned() -> None:
     cache, keys, other = object(), torch.zeros(1), torch.zeros(1)
     hf_compat.hand_over(cache, keys)
-    assert hf_compat.handed_cache(other) is None  # an equal tensor, not the one returned
     assert hf_compat.handed_cache(keys) is cache
     assert hf_compat.handed_cache(keys) is None  # taken: a later call with the same keys gets none
+    hf_compat.hand_over(cache, keys)  # left by a forward that failed before its attention call
+    assert hf_compat.handed_cache(other) is None  # an equal tensor, not the one returned ...
+    assert hf_compat.handed_cache(keys) is None  # ... and the stale hand-over is dropped

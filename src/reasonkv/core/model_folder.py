@@ -5,7 +5,7 @@ package. `export_model_folder` loads it with transformers (dequantised), drops t
 quantization record (save_pretrained refuses a model that claims to be quantized) and saves
 model and tokenizer. `cached_model_folder` does that once per model and dtype into a cache
 folder, written beside its final name and renamed into place, so an interrupted export leaves
-nothing that looks finished.
+nothing that looks finished (and one killed outright is swept a day later).
 """
 
 from __future__ import annotations
@@ -13,11 +13,15 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import tempfile
+import time
 from pathlib import Path
 
 from reasonkv.core.models import BUNDLED_GGUF, DEFAULT_MODEL, load_model
 
 CACHE_ENV = "REASONKV_CACHE_DIR"
+PARTIAL = ".partial-"
+STALE_SECONDS = 24 * 3600
 
 
 def cache_root() -> Path:
@@ -57,17 +61,35 @@ def cached_folder_path(model_name: str, dtype: str = "float32") -> Path:
 
 
 def cached_model_folder(model_name: str, dtype: str = "float32") -> tuple[Path, bool]:
-    """The exported folder of `model_name`, exporting it on first use: (folder, exported now)."""
+    """The exported folder of `model_name`, exporting it on first use: (folder, exported now).
+
+    The export is written into a fresh temporary folder beside the final one and renamed into
+    place; a finished export is never replaced, so a second process exporting at the same time
+    throws its own copy away and serves the first."""
     final = cached_folder_path(model_name, dtype)
     if (final / "config.json").is_file():
         return final, False
-    partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_stale_partials(final)
+    partial = Path(tempfile.mkdtemp(dir=final.parent, prefix=f"{final.name}{PARTIAL}"))
     try:
         export_model_folder(partial, model_name, dtype)
-        if final.exists():  # an earlier export that did not finish, or a concurrent one
-            shutil.rmtree(final, ignore_errors=True)
-        partial.rename(final)
+        try:
+            partial.rename(final)  # fails where a finished export (a non-empty folder) is in place
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise
+            return final, False
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return final, True
+
+
+def _sweep_stale_partials(final: Path) -> None:
+    """Remove temporary exports of `final` left for a day (a process killed mid-export)."""
+    for stale in final.parent.glob(f"{final.name}{PARTIAL}*"):
+        try:
+            if time.time() - stale.stat().st_mtime > STALE_SECONDS:
+                shutil.rmtree(stale, ignore_errors=True)
+        except FileNotFoundError:  # another process swept it
+            pass

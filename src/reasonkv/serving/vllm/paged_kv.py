@@ -23,7 +23,7 @@ FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8
 PROBE_RADIX = {"auto": 64, "fp8": 8}
 
 # An integer type of each element size: compaction moves raw elements, whatever they encode.
-RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+RAW_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 def split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,10 +151,8 @@ class TileLayout:
         elif kind == "gather":
             tiles = tiles.reshape(n, heads, -1)[..., order].view(n, heads, bs, d)
         flat = tiles.transpose(0, 1).reshape(heads, n * bs, d)[:, :length]  # [H, length, D], slot order
-        if self.stored is not None:
-            flat = flat.view(self.stored).to(self.dtype)
-            if scale != 1.0:
-                flat = flat * scale
+        if self.stored is not None:  # decoded and scaled in fp32, then the model's dtype
+            flat = (flat.view(self.stored).float() * scale).to(self.dtype)
         return flat[None]
 
     def move(self, kv_cache: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor) -> None:
@@ -166,7 +164,8 @@ class TileLayout:
         channel = torch.arange(d, device=slots.device)
         head = torch.arange(heads, device=slots.device)[:, None, None]
         for half, order in zip(split_cache(kv_cache), (self.key_order, self.value_order), strict=True):
-            raw = half.view(RAW[half.element_size()]).flatten(2)  # [blocks, H, bs * D], a view
+            raw = half.view(RAW_BY_ITEMSIZE[half.element_size()])
+            raw = raw.view(raw.shape[0], raw.shape[1], -1)  # [blocks, H, bs * D]: a view or an error
             src = (blocks[slots // bs].long()[..., None], order[((slots % bs) * d)[..., None] + channel])
             dst = (blocks[j // bs].long()[None, :, None], order[((j % bs) * d)[:, None] + channel][None])
             raw[dst[0], head, dst[1]] = raw[src[0], head, src[1]]  # read in full, then written

@@ -225,7 +225,12 @@ class WorkerState:
     def _layer_step(self, layer_idx: int, held: HeldLayer, starts: list[int]) -> None:
         batch, kv_cache, query = self.batch, held.kv_cache, held.queries
         layer = held.layer
-        layout = self.layout(query.dtype, layer.isa, getattr(layer, "kv_cache_dtype", "auto"))
+        layout = self.layout(query.dtype, layer.isa, layer.kv_cache_dtype)
+        if (layout.stored is None) != (kv_cache.dtype == query.dtype):  # reading bytes as numbers
+            raise RuntimeError(
+                f"reasonkv: a {kv_cache.dtype} cache for kv_cache_dtype {layer.kv_cache_dtype!r} "
+                f"and a {query.dtype} model"
+            )
         scales = (layer._k_scale_float, layer._v_scale_float)  # fp8: what the kernel multiplies by
         for i, rid in enumerate(batch.req_ids):
             start, end = starts[i], starts[i + 1]
