@@ -90,12 +90,9 @@ def serve_command(
     if served_name is not None:
         command += ["--served-model-name", served_name]
     command += extra
-    env = dict(os.environ, VLLM_NO_USAGE_STATS=os.environ.get("VLLM_NO_USAGE_STATS", "1"))
-    if kv_space is not None:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space)  # vLLM reads whole GiB
-    shown = shlex.join(command)
-    if kv_space is not None:
-        shown = f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} {shown}"
+    pool = {} if kv_space is None else {"VLLM_CPU_KVCACHE_SPACE": str(kv_space)}  # whole GiB
+    env = {"VLLM_NO_USAGE_STATS": "1", **os.environ, **pool}
+    shown = shlex.join([*(f"{k}={v}" for k, v in pool.items()), *command])
     if dry_run:
         typer.echo(shown)
         return

@@ -176,11 +176,17 @@ class WorkerState:
         state = self.requests.get(rid)
         return 0 if state is None else state.dropped
 
-    def layout(self, dtype: torch.dtype, isa: str, kv_cache_dtype: str) -> TileLayout:
-        """The tile layout of a cache of `kv_cache_dtype` for a model of `dtype` (learnt once)."""
+    def layout(self, dtype: torch.dtype, isa: str, kv_cache_dtype: str, stored: torch.dtype) -> TileLayout:
+        """The tile layout of a cache of `kv_cache_dtype` (a tensor of `stored`) for a model of
+        `dtype`, learnt once."""
         key = (dtype, isa, kv_cache_dtype)
         if key not in self.layouts:
-            self.layouts[key] = TileLayout(self.block_size, self.head_dim, dtype, isa, kv_cache_dtype)
+            layout = TileLayout(self.block_size, self.head_dim, dtype, isa, kv_cache_dtype)
+            if (layout.stored is None) != (stored == dtype):  # it would read bytes as numbers
+                raise RuntimeError(
+                    f"reasonkv: a {stored} cache for kv_cache_dtype {kv_cache_dtype!r} and a {dtype} model"
+                )
+            self.layouts[key] = layout
         return self.layouts[key]
 
     def begin_step(self, batch: StepBatch) -> None:
@@ -225,12 +231,7 @@ class WorkerState:
     def _layer_step(self, layer_idx: int, held: HeldLayer, starts: list[int]) -> None:
         batch, kv_cache, query = self.batch, held.kv_cache, held.queries
         layer = held.layer
-        layout = self.layout(query.dtype, layer.isa, layer.kv_cache_dtype)
-        if (layout.stored is None) != (kv_cache.dtype == query.dtype):  # reading bytes as numbers
-            raise RuntimeError(
-                f"reasonkv: a {kv_cache.dtype} cache for kv_cache_dtype {layer.kv_cache_dtype!r} "
-                f"and a {query.dtype} model"
-            )
+        layout = self.layout(query.dtype, layer.isa, layer.kv_cache_dtype, kv_cache.dtype)
         scales = (layer._k_scale_float, layer._v_scale_float)  # fp8: what the kernel multiplies by
         for i, rid in enumerate(batch.req_ids):
             start, end = starts[i], starts[i + 1]
