@@ -10,6 +10,12 @@ steps for the table). Runs go one after another, each in a fresh process (a vLLM
 processes of its own); plain vLLM runs first and last, so drift on a busy machine shows as the
 gap between its two runs.
 
+`--shared-prefix N` puts one system prompt of N tokens before every request's own prompt, with
+vLLM's prefix caching on (as by default), and reports each run's prefix-cache hit rate (cached
+prompt tokens over prompt tokens; the warm-up's blocks are dropped first); `--knobs JSON` gives
+every method those knobs, e.g. '{"protect_prompt": true}' (a compressed request shares prompt
+blocks only where its prompt is kept whole: serving/prefix_sharing.py).
+
 A run named `METHOD@fp8` (also `@fp8_e5m2`; `plain@fp8` for vLLM alone) stores the KV cache in
 vLLM's fp8 format, in a pool of the same bytes: `--blocks` counts blocks of the model's dtype,
 and an fp8 run gets as many more blocks as its elements are smaller (twice, from bf16).
@@ -45,7 +51,8 @@ def worker(spec: dict) -> dict:
     extra = {}
     method, kv = split_run(spec["method"])
     if method != PLAIN:
-        extra["additional_config"] = {"reasonkv": {"method": method, "budget": spec["budget"]}}
+        entry = {"method": method, "budget": spec["budget"], **spec["knobs"]}
+        extra["additional_config"] = {"reasonkv": entry}
     blocks = spec["blocks"]
     if kv != "auto":  # the same bytes: one-byte elements instead of the model dtype's
         import torch
@@ -67,6 +74,7 @@ def worker(spec: dict) -> dict:
     params = SamplingParams(max_tokens=spec["new_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)  # warm-up
+    llm.reset_prefix_cache()  # the timed requests find only what they cache themselves
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -79,7 +87,10 @@ def worker(spec: dict) -> dict:
             tpot.append((m.last_token_ts - m.first_token_ts) / max(n - 1, 1))
             preempted += m.num_preemptions
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"wall_s": wall, "tokens": tokens, "ttft_s": ttft, "tpot_s": tpot, "preemptions": preempted}
+    cached = sum(o.num_cached_tokens or 0 for o in outputs)
+    prompt_tokens = sum(len(p) for p in spec["prompts"])
+    return {"wall_s": wall, "tokens": tokens, "ttft_s": ttft, "tpot_s": tpot, "preemptions": preempted,
+            "prefix_hit_rate": cached / prompt_tokens}  # fmt: skip
 
 
 def split_run(name: str) -> tuple[str, str]:
@@ -119,6 +130,7 @@ def summarise(method: str, result: dict, trace: Path) -> dict:
         "wall_s": result["wall_s"],
         "tokens": result["tokens"],
         "preemptions": result["preemptions"],
+        "prefix_hit_rate": result["prefix_hit_rate"],
         "ttft_s": statistics.median(result["ttft_s"]) if result["ttft_s"] else None,
         "tpot_s": statistics.median(result["tpot_s"]) if result["tpot_s"] else None,
     }
@@ -129,11 +141,13 @@ def summarise(method: str, result: dict, trace: Path) -> dict:
     return row
 
 
-def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def prompts(n: int, length: int, vocab: int, shared: int = 0, seed: int = 0) -> list[list[int]]:
+    """n prompts of `length` + 8 i tokens each, after one shared prefix of `shared` tokens."""
     import random
 
     rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(length + 8 * i)] for i in range(n)]
+    prefix = [rng.randrange(100, vocab) for _ in range(shared)]
+    return [prefix + [rng.randrange(100, vocab) for _ in range(length + 8 * i)] for i in range(n)]
 
 
 def main() -> None:
@@ -144,6 +158,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--shared-prefix", type=int, default=0, help="a system prompt's tokens before each")
+    parser.add_argument("--knobs", type=json.loads, default={}, help="JSON object of knobs for every method")
     parser.add_argument("--new-tokens", type=int, default=4096)
     parser.add_argument("--blocks", type=int, default=96)
     parser.add_argument("--block-size", type=int, default=128)
@@ -162,10 +178,12 @@ def main() -> None:
         return
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     base = {
-        "model": str(args.model), "dtype": args.dtype, "budget": args.budget, "requests": args.requests,
-        "new_tokens": args.new_tokens, "blocks": args.blocks, "block_size": args.block_size,
-        "prompts": prompts(args.requests, args.prompt_tokens, vocab),
-        "max_model_len": args.prompt_tokens + 8 * args.requests + args.new_tokens + args.block_size,
+        "model": str(args.model), "dtype": args.dtype, "budget": args.budget, "knobs": args.knobs,
+        "requests": args.requests, "new_tokens": args.new_tokens, "blocks": args.blocks,
+        "block_size": args.block_size, "shared_prefix": args.shared_prefix,
+        "prompts": prompts(args.requests, args.prompt_tokens, vocab, args.shared_prefix),
+        "max_model_len": args.shared_prefix + args.prompt_tokens + 8 * args.requests + args.new_tokens
+        + args.block_size,
     }  # fmt: skip
     order = [PLAIN, *args.methods.split(","), *([PLAIN] if args.plain_last else [])]
     settings = {k: v for k, v in base.items() if k != "prompts"}
@@ -188,7 +206,7 @@ def main() -> None:
                 save(args.out, command, settings, order, rows)
     plain = statistics.fmean(r["tok_s"] for r in rows if r["method"] == PLAIN)
     print(f"\n{'method':<16}{'tok/s':>8}{'x plain':>9}{'running':>9}{'mean':>7}{'preempt':>9}{'KV use':>8}"
-          f"{'TTFT s':>8}{'TPOT ms':>9}")  # fmt: skip
+          f"{'TTFT s':>8}{'TPOT ms':>9}{'hit %':>7}")  # fmt: skip
     for r in rows:
         r["vs_plain"] = r["tok_s"] / plain
         running = (
@@ -197,8 +215,10 @@ def main() -> None:
         usage = f"{r['mean_kv_usage']:>8.2f}" if "mean_kv_usage" in r else f"{'-':>8}"
         ttft = f"{r['ttft_s']:>8.2f}" if r["ttft_s"] is not None else f"{'-':>8}"
         tpot = f"{1000 * r['tpot_s']:>9.1f}" if r["tpot_s"] is not None else f"{'-':>9}"
+        hits = f"{100 * r['prefix_hit_rate']:>7.1f}" if "prefix_hit_rate" in r else f"{'-':>7}"
         print(
-            f"{r['method']:<16}{r['tok_s']:>8.1f}{r['vs_plain']:>9.2f}{running}{r['preemptions']:>9}{usage}{ttft}{tpot}"
+            f"{r['method']:<16}{r['tok_s']:>8.1f}{r['vs_plain']:>9.2f}{running}{r['preemptions']:>9}{usage}{ttft}"
+            f"{tpot}{hits}"
         )
     if args.out:
         save(args.out, command, settings, order, rows)

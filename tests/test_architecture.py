@@ -184,9 +184,10 @@ def forbidden_third_party(modules: dict[str, Module], prefix: str, banned: str) 
     return sorted(set(bad))
 
 
-ENGINE_NEUTRAL = ("reasonkv.core.step", "reasonkv.serving.paged_request")
-"""The one decode step and the storage serving engines give it: below every engine integration,
-so neither may reach transformers, not even through another reasonkv module."""
+ENGINE_NEUTRAL = ("reasonkv.core.step", "reasonkv.serving.paged_request", "reasonkv.serving.prefix_sharing")
+"""The one decode step, the storage serving engines give it and their prefix-sharing rule: below
+every engine integration, so none may reach transformers, not even through another reasonkv
+module."""
 
 
 def reaches_third_party(

@@ -32,7 +32,7 @@ def test_ten_thousand_distinct_settings_hold_the_workers_memory_flat() -> None:
                 gc.collect()
                 after_1k = tracemalloc.get_traced_memory()[0]
             state.policy_for(ServingSettings("snapkv", 64 + i, {"interval": 16}))
-            assert len(state._policies) <= POLICIES_HELD
+            assert len(state.policy_for) <= POLICIES_HELD
         gc.collect()
         after_10k = tracemalloc.get_traced_memory()[0]
     finally:

@@ -33,9 +33,10 @@ ReadKV = Callable[[int, bool], tuple[torch.Tensor, torch.Tensor | None]]
 slot order and in the model's dtype (dequantised where the engine stores fp8), and its values the
 same way when `values` is true (else None)."""
 
-MoveKV = Callable[[torch.Tensor], None]
-"""`move(slots)`: slots [H, K], ascending per head: each head's K kept slots of this layer, moved
-as the engine stores them (bytes and all: no rounding) into the request's first K slots."""
+MoveKV = Callable[[torch.Tensor, int], None]
+"""`move(slots, first)`: slots [H, K - first], ascending per head: each head's kept slots of this
+layer past the first `first` (which keep their tokens where they are), moved as the engine stores
+them (bytes and all: no rounding) into the request's slots `first` .. K - 1."""
 
 
 class PagedRequestStorage:
@@ -116,13 +117,18 @@ class PagedRequestStorage:
         raise RuntimeError("a paged request keeps no holes")
 
     def keep_slots(self, slots: torch.Tensor, new_len: torch.Tensor, scores: torch.Tensor) -> None:
-        kept = int(new_len.min())
-        if kept != int(new_len.max()):
+        slots = slots[0]  # [H, K] ascending
+        # Slots that keep their token are not written: a kept prompt's blocks stay as they are
+        # (a prefix cache may share them: serving/prefix_sharing.py). One read for the three counts.
+        stays = (slots == torch.arange(slots.shape[-1], device=slots.device)).all(0)
+        counts = torch.stack([new_len.min(), new_len.max(), stays.int().cumprod(0).sum()])
+        kept, widest, first = counts.tolist()
+        if kept != widest:
             raise RuntimeError(
                 f"heads keep {new_len.tolist()} tokens; a shared block table needs one count for every head"
             )
-        slots = slots[0, :, :kept]  # [H, K] ascending
-        self._move(slots)
+        slots = slots[:, :kept]
+        self._move(slots[:, first:], first)
         index = self.token_index
         self._token_index = index.gather(2, slots[None])
         self._token_state = {n: t.gather(2, slots[None]) for n, t in self._token_state.items()}

@@ -141,6 +141,15 @@ class Scorer:
         at hand reads them only then (a scorer that sums its queries now and then says when)."""
         return self.step_reads_keys
 
+    def keeps_old_prompt_queries(self) -> bool:
+        """Whether this scorer's state keeps something of prompt queries older than the window
+        (beacons fed by the prompt). A serving engine that skips the forward of a prompt prefix
+        it shares with another request (prefix caching) never shows it those queries: such a
+        scorer cannot start after a shared prefix. Default: no state outlives the window, or
+        what does (H2O's attention sums) concerns prompt keys only, which matters only where
+        the prompt may be evicted (and then no prefix is shared)."""
+        return False
+
     def on_step(self, step: Observation, keys: torch.Tensor | None) -> None:
         """See every query of this forward ([B, Hq, q, D] in `step`) over the stored keys [B, H, T, D]
         (None where `step_needs_keys` is false and the engine does not have them at hand)."""

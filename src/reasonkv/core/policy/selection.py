@@ -74,8 +74,14 @@ def evict_one(
 
     What `select_tokens` drops when a head keeps all but one of its tokens (an every-step
     schedule's usual step), without sorting: argmin returns the first minimum, and slots are
-    in positional order, so ties go against the older token exactly as there.
+    in positional order, so ties go against the older token exactly as there, and a scorer's
+    own +inf is given up where nothing else is (protected tokens past `keep`), as there.
     """
-    s = scores.float().masked_fill(protected | (token_index == EMPTY), float("inf"))
+    # A scorer's own +inf (H2O's recent share) ranks just below protection's, as in select_tokens.
+    s = (
+        scores.float()
+        .clamp(max=torch.finfo(torch.float32).max)
+        .masked_fill(protected | (token_index == EMPTY), float("inf"))
+    )
     lowest, victim = s.min(-1, keepdim=True)
     return victim.masked_fill(~evict[..., None] | (lowest == float("inf")), scores.shape[-1])

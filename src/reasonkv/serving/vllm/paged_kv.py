@@ -155,12 +155,13 @@ class TileLayout:
             flat = (flat.view(self.stored).float() * scale).to(self.dtype)
         return flat[None]
 
-    def move(self, kv_cache: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor) -> None:
-        """Compaction: each head's kept `slots` [H, K] (ascending) into the request's first K
-        slots, keys and values, as stored (raw elements: exact for every cache dtype)."""
+    def move(self, kv_cache: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor, first: int = 0) -> None:
+        """Compaction: each head's kept `slots` [H, K] (ascending) into the request's slots
+        `first` .. `first` + K - 1, keys and values, as stored (raw elements: exact for every
+        cache dtype). Nothing before `first` is written."""
         heads, k = slots.shape
         bs, d = self.block_size, self.head_dim
-        j = torch.arange(k, device=slots.device)
+        j = torch.arange(first, first + k, device=slots.device)
         channel = torch.arange(d, device=slots.device)
         head = torch.arange(heads, device=slots.device)[:, None, None]
         for half, order in zip(split_cache(kv_cache), (self.key_order, self.value_order), strict=True):

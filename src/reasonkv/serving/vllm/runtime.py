@@ -18,10 +18,11 @@ from reasonkv.core.models import ModelShape, model_shape
 from reasonkv.methods.api import build_policy
 from reasonkv.methods.knobs import KnobError
 from reasonkv.serving.paged_request import PENDING_QUERIES
+from reasonkv.serving.prefix_sharing import PromptSharing, prompt_sharing
 from reasonkv.serving.request_limits import check_fits
 from reasonkv.serving.vllm.paged_kv import FP8_FORMATS
 from reasonkv.serving.vllm.settings import CONFIG_KEY, read_settings, request_settings
-from reasonkv.serving.vllm.worker_state import WorkerState
+from reasonkv.serving.vllm.worker_state import BuiltPolicies, WorkerState
 
 # A child of vLLM's logger: its lines come out in vLLM's format, beside vLLM's own.
 logger = logging.getLogger("vllm.plugins.reasonkv")
@@ -160,10 +161,6 @@ def _check_engine(vllm_config) -> None:
     why = _unsupported_model(vllm_config.model_config)
     if why is not None:
         raise KnobError(f"reasonkv in vLLM serves decoder-only models with full attention only: {why}")
-    if cache.enable_prefix_caching:
-        # Compacted blocks no longer hold the tokens their hashes name.
-        logger.warning("reasonkv: prefix caching is turned off (compressed blocks cannot be shared)")
-        cache.enable_prefix_caching = False
     _check_policy(settings, vllm_config)
 
 
@@ -174,6 +171,33 @@ def _check_policy(settings, vllm_config) -> None:
     _, policy = build_policy(settings.method, settings.budget, shape, None, 1.0, **settings.knobs)
     max_len = vllm_config.model_config.max_model_len
     check_fits(settings.method, settings.budget, settings.knobs, policy, shape, max_len, PENDING_QUERIES)
+
+
+class PrefixRules:
+    """The scheduler's side of prefix caching with the adapter on: how much of each compressed
+    request's prompt the prefix cache may share (serving/prefix_sharing.py), decided once a
+    request; None for a request that is not compressed (vLLM's own rules)."""
+
+    def __init__(self, vllm_config) -> None:
+        self.engine = read_settings(vllm_config.additional_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.policies = BuiltPolicies(model_shape_of(vllm_config.model_config.hf_config), (None, 1.0))
+        self._decided: dict[str, PromptSharing | None] = {}
+
+    def of(self, request) -> PromptSharing | None:
+        rid = request.request_id
+        if rid not in self._decided:
+            extra_args = getattr(request.sampling_params, "extra_args", None)
+            settings = request_settings(self.engine, extra_args)  # checked at the front end
+            self._decided[rid] = (
+                None
+                if settings is None
+                else prompt_sharing(self.policies(settings)[1], request.num_prompt_tokens, self.block_size)
+            )
+        return self._decided[rid]
+
+    def forget(self, rid: str) -> None:
+        self._decided.pop(rid, None)
 
 
 def _unsupported_model(model) -> str | None:

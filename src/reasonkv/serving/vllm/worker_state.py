@@ -71,6 +71,9 @@ class RequestState:
     its tokens no slot holds any more."""
 
     prompt_len: int
+    shared: int = 0
+    """Tokens already in its blocks at its first forward (a prefix-cache hit): stored, never
+    shown to the step as queries (serving/prefix_sharing.py says when that changes nothing)."""
     budgets: torch.Tensor | None = None
     policy: LayerPolicy | None = None
     layers: dict[int, LayerStep] = field(default_factory=dict)
@@ -93,6 +96,8 @@ class RequestState:
                 layer_idx, budgets, self.policy, self.scorer_states, storage,
                 prompt_end=self.prompt_len, query_wait=PENDING_QUERIES,
             )  # fmt: skip
+            storage.extend(self.shared)
+            step.advance(self.shared)
         return step, self.storages[layer_idx]
 
     def physical_length(self) -> int:
@@ -127,6 +132,31 @@ class HeldLayer:
     tokens: int = 0
 
 
+class BuiltPolicies:
+    """Budgets and policy for each settings a request brings, built once: the latest
+    `POLICIES_HELD` are kept (least recently used go first; a running request holds its own)."""
+
+    def __init__(self, shape: ModelShape, rope: tuple[torch.Tensor | None, float]) -> None:
+        self.shape, self.rope = shape, rope
+        self._built: OrderedDict[str, tuple[torch.Tensor, LayerPolicy]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._built)
+
+    def __call__(self, settings: ServingSettings) -> tuple[torch.Tensor, LayerPolicy]:
+        key = json.dumps([settings.method, settings.budget, settings.knobs], sort_keys=True, default=str)
+        if key in self._built:
+            self._built.move_to_end(key)
+            return self._built[key]
+        inv_freq, scaling = self.rope
+        knobs = settings.knobs
+        built = build_policy(settings.method, settings.budget, self.shape, inv_freq, scaling, **knobs)
+        self._built[key] = built
+        if len(self._built) > POLICIES_HELD:
+            self._built.popitem(last=False)
+        return built
+
+
 class WorkerState:
     """Everything the adapter holds in one worker process."""
 
@@ -135,7 +165,7 @@ class WorkerState:
     ) -> None:
         self.settings, self.shape, self.rope = settings, shape, rope
         self.n_layers, self.block_size, self.head_dim = shape.n_layers, block_size, shape.head_dim
-        self._policies: OrderedDict[str, tuple[torch.Tensor, LayerPolicy]] = OrderedDict()
+        self.policy_for = BuiltPolicies(shape, rope)
         self.policy_for(settings)  # the engine's own, which most requests use: built at start
         self.requests: dict[str, RequestState] = {}
         self.batch: StepBatch | None = None
@@ -145,23 +175,9 @@ class WorkerState:
         self.held: dict[int, HeldLayer] = {}  # layer -> its queries this step (buffers reused)
         self.trace = trace_path("kept")
 
-    def policy_for(self, settings: ServingSettings) -> tuple[torch.Tensor, LayerPolicy]:
-        """Budgets and policy for these settings, built once (requests may bring their own)."""
-        key = json.dumps([settings.method, settings.budget, settings.knobs], sort_keys=True, default=str)
-        if key in self._policies:
-            self._policies.move_to_end(key)
-            return self._policies[key]
-        inv_freq, scaling = self.rope
-        knobs = settings.knobs
-        built = build_policy(settings.method, settings.budget, self.shape, inv_freq, scaling, **knobs)
-        self._policies[key] = built
-        if len(self._policies) > POLICIES_HELD:
-            self._policies.popitem(last=False)
-        return built
-
     def _new_request(self, i: int) -> RequestState:
         batch = self.batch
-        state = RequestState(batch.prompt_len[i])
+        state = RequestState(batch.prompt_len[i], shared=batch.first_index[i])
         settings = request_settings(self.settings, batch.extra_args[i])
         if settings is not None:
             state.budgets, state.policy = self.policy_for(settings)
@@ -251,8 +267,8 @@ class WorkerState:
                     return None, layout.read_values(kv_cache, blocks, length, scales[1])
                 return layout.read(kv_cache, blocks, length, False, scales)
 
-            def move(slots: torch.Tensor, blocks=blocks) -> None:
-                layout.move(kv_cache, blocks, slots)
+            def move(slots: torch.Tensor, first: int, blocks=blocks) -> None:
+                layout.move(kv_cache, blocks, slots, first)
 
             storage.bind(read, move)
             storage.extend(end - start)

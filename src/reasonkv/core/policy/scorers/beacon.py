@@ -254,6 +254,10 @@ class BeaconKVScorer(Scorer):
         """...and the `upkeep_every` before them: the queue of queries not yet fed."""
         return self.upkeep_every
 
+    def keeps_old_prompt_queries(self) -> bool:
+        """Beacons fed by prompt queries (`beacon_feed` other than "generated") outlive the window."""
+        return self.beacon_feed != "generated"
+
     def state_vectors(self, n_query_heads: int, n_kv_heads: int) -> int:
         """The beacon buffers: `beacon_max` a query head (or a KV head, by `beacon_scope`)."""
         return self.beacon_max * (n_query_heads if self.beacon_scope == "query_head" else n_kv_heads)

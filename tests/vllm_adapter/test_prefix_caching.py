@@ -1,0 +1,92 @@
+"""Prefix caching with the adapter on: a compressed request that keeps its prompt whole
+(`protect_prompt`) shares its prompt's blocks; one that may evict from its prompt shares
+nothing; requests that opt out keep vLLM's own rules (serving/prefix_sharing.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM adapter's tests run in .venv-vllm: make test-vllm")
+
+from vllm_helpers import BLOCK, prompts, run_engine, save_tiny_model  # noqa: E402
+
+SYSTEM = 8 * BLOCK  # a shared system prompt of 8 whole blocks
+OWN = 40  # each request's own part after it
+TOKENS = 96
+NUM_BLOCKS = 96
+SHARING = [
+    ("rpc", 16, {"ratio": 2.0}),
+    ("snapkv", 64, {"interval": 16, "protect_prompt": True}),
+    ("beaconkv", 64, {"protect_prompt": True}),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> str:
+    return save_tiny_model(tmp_path_factory)
+
+
+def shared_prompts(n: int) -> list[list[int]]:
+    """n prompts: one system prompt, then each its own tokens."""
+    (system,) = prompts([SYSTEM], seed=1)
+    return [system + own for own in prompts([OWN] * n, seed=2)]
+
+
+def both_running(trace: list[dict], wave: int) -> dict:
+    """The scheduler's first step of a wave with both its requests running (both allocated; the
+    engine core may take the second a step after the first)."""
+    start = next(i for i, e in enumerate(trace) if e["kind"] == "wave" and e["wave"] == wave)
+    return next(e for e in trace[start:] if e["kind"] == "step" and e["running"] == 2)
+
+
+@pytest.mark.parametrize(("method", "budget", "knobs"), SHARING, ids=[m for m, _, _ in SHARING])
+def test_compressed_requests_share_a_kept_system_prompt(tiny_model_dir, tmp_path, method, budget, knobs):
+    """Two compressed requests after one system prompt: the second finds its blocks cached and
+    holds them once, and each generates what it generates alone without prefix caching (the
+    same kept tokens at every compression too). A later request that reads the first one's
+    prompt and 64 of its generated tokens finds only the prompt's blocks cached: the blocks
+    compaction rewrote were never named for reuse."""
+    a, b = shared_prompts(2)
+    base = {
+        "model": tiny_model_dir, "reasonkv": {"method": method, "budget": budget, **knobs}, "prompts": [a, b],
+        "max_tokens": TOKENS, "num_blocks": NUM_BLOCKS,
+        "continuation": {"from": 0, "take": 64, "max_tokens": 16, "extra_args": {"reasonkv": False}},
+    }  # fmt: skip
+    off = run_engine({**base, "enable_prefix_caching": False, "waves": [[0], [1], [0, 1]]}, tmp_path, "off")
+    on = run_engine({**base, "enable_prefix_caching": True, "waves": [[0, 1]]}, tmp_path, "on")
+    alone = [off["waves"][0]["tokens"][0], off["waves"][1]["tokens"][0]]
+    assert on["waves"][0]["tokens"] == alone
+    assert off["waves"][2]["tokens"] == alone
+    assert on["waves"][0]["cached"] == [0, SYSTEM]  # the second starts after the system prompt
+    assert off["waves"][2]["cached"] == [0, 0]
+    # The system prompt's 8 blocks are held once: 8 more blocks free than without sharing.
+    assert both_running(on["trace"], 0)["free_blocks"] - both_running(off["trace"], 2)["free_blocks"] == 8
+    # Both compressed, with the same kept tokens as alone (every (request, seen, layer) event).
+    kept = [
+        {(e["prompt_len"], e["seen"], e["layer"], str(e["kept"])) for e in r["trace"] if e["kind"] == "kept"}
+        for r in (on, off)
+    ]
+    assert kept[0] and kept[0] <= kept[1]
+    # Only the first request's prompt blocks were named: 9 whole blocks of its 296 tokens.
+    assert on["waves"][1]["cached"] == [len(a) // BLOCK * BLOCK]
+    assert on["waves"][1]["tokens"] == off["waves"][3]["tokens"]
+
+
+def test_a_method_that_evicts_from_the_prompt_shares_nothing_and_opted_out_requests_do(
+    tiny_model_dir, tmp_path
+) -> None:
+    """SnapKV may evict prompt tokens, so its requests neither find nor name cached blocks;
+    requests that opt out keep vLLM's prefix caching, among themselves."""
+    a, b, c = shared_prompts(3)
+    out = {"reasonkv": False}
+    spec = {
+        "model": tiny_model_dir, "reasonkv": {"method": "snapkv", "budget": 64, "interval": 16},
+        "prompts": [a, b, c], "max_tokens": TOKENS, "num_blocks": NUM_BLOCKS,
+        "extra_args": [{"reasonkv": {}}, out, out], "waves": [[0], [1], [0], [2]],
+    }  # fmt: skip
+    run = run_engine(spec, tmp_path, "evicting")
+    cached = [w["cached"][0] for w in run["waves"]]
+    # The compressed request named nothing, so the opted-out one finds nothing; the compressed
+    # one run again does not find the opted-out one's blocks; the next opted-out one does.
+    assert cached == [0, 0, 0, SYSTEM]
+    assert any(e["kind"] == "kept" for e in run["trace"])
