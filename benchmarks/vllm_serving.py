@@ -16,6 +16,11 @@ prompt tokens over prompt tokens; the warm-up's blocks are dropped first); `--kn
 every method those knobs, e.g. '{"protect_prompt": true}' (a compressed request shares prompt
 blocks only where its prompt is kept whole: serving/prefix_sharing.py).
 
+The run named `short` is the short-context limit: plain vLLM in a pool that holds every request
+whole, each generating only `--budget` tokens, so every request holds about what a compressed
+one holds and nothing is compressed: what a step costs at that size. The table gives each
+run's TPOT against it.
+
 A run named `METHOD@fp8` (also `@fp8_e5m2`; `plain@fp8` for vLLM alone) stores the KV cache in
 vLLM's fp8 format, in a pool of the same bytes: `--blocks` counts blocks of the model's dtype,
 and an fp8 run gets as many more blocks as its elements are smaller (twice, from bf16).
@@ -41,6 +46,7 @@ import time
 from pathlib import Path
 
 PLAIN = "plain"
+SHORT = "short"
 
 
 def worker(spec: dict) -> dict:
@@ -50,7 +56,11 @@ def worker(spec: dict) -> dict:
 
     extra = {}
     method, kv = split_run(spec["method"])
-    if method != PLAIN:
+    if method == SHORT:  # every request whole in the pool, generating `budget` tokens
+        longest = max(map(len, spec["prompts"])) + spec["budget"]
+        spec = {**spec, "new_tokens": spec["budget"],
+                "blocks": spec["requests"] * -(-longest // spec["block_size"])}  # fmt: skip
+    elif method != PLAIN:
         entry = {"method": method, "budget": spec["budget"], **spec["knobs"]}
         extra["additional_config"] = {"reasonkv": entry}
     blocks = spec["blocks"]
@@ -205,8 +215,10 @@ def main() -> None:
             if args.out:  # after every run: an interrupted benchmark resumes from here
                 save(args.out, command, settings, order, rows)
     plain = statistics.fmean(r["tok_s"] for r in rows if r["method"] == PLAIN)
+
     print(f"\n{'method':<16}{'tok/s':>8}{'x plain':>9}{'running':>9}{'mean':>7}{'preempt':>9}{'KV use':>8}"
-          f"{'TTFT s':>8}{'TPOT ms':>9}{'hit %':>7}")  # fmt: skip
+          f"{'TTFT s':>8}{'TPOT ms':>9}{'x short':>8}{'hit %':>7}")  # fmt: skip
+    short = next((r["tpot_s"] for r in rows if r["method"] == SHORT and r["tpot_s"]), None)
     for r in rows:
         r["vs_plain"] = r["tok_s"] / plain
         running = (
@@ -216,9 +228,12 @@ def main() -> None:
         ttft = f"{r['ttft_s']:>8.2f}" if r["ttft_s"] is not None else f"{'-':>8}"
         tpot = f"{1000 * r['tpot_s']:>9.1f}" if r["tpot_s"] is not None else f"{'-':>9}"
         hits = f"{100 * r['prefix_hit_rate']:>7.1f}" if "prefix_hit_rate" in r else f"{'-':>7}"
+        if short and r["tpot_s"] is not None:
+            r["tpot_vs_short"] = r["tpot_s"] / short
+        vs_short = f"{r['tpot_vs_short']:>8.2f}" if "tpot_vs_short" in r else f"{'-':>8}"
         print(
             f"{r['method']:<16}{r['tok_s']:>8.1f}{r['vs_plain']:>9.2f}{running}{r['preemptions']:>9}{usage}{ttft}"
-            f"{tpot}{hits}"
+            f"{tpot}{vs_short}{hits}"
         )
     if args.out:
         save(args.out, command, settings, order, rows)
