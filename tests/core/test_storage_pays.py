@@ -6,7 +6,7 @@ setting is built anyway, under `unchecked_storage`, to see what it would have he
 setting make_cache accepts must peak at no more `peak_kv_bytes_16bit` than the same cache at
 16 bits, fed the same tokens; every one it refuses must quantize nothing ("quantizes
 nothing") or hold more (with a head allocator: save less than its margin, see
-`knobs.HEAD_SPLIT_MARGIN`). Where heads share their layer's budget, `core.quantized_peak`
+`storage_pays.HEAD_SPLIT_MARGIN`). Where heads share their layer's budget, `core.quantized_peak`
 predicts both peaks byte for byte, so that is checked too.
 
 The model is the tiny llama with head_dim 64 (the default model's), so group sizes 16, 32 and
@@ -27,8 +27,9 @@ import torch
 from conftest import build_tiny_model, random_prompt
 from reasonkv.core import quantized_peak
 from reasonkv.core.hf_compat import cache_arg
+from reasonkv.core.storage_pays import HEAD_SPLIT_MARGIN
 from reasonkv.methods.api import make_cache, unchecked_storage
-from reasonkv.methods.knobs import HEAD_SPLIT_MARGIN, KnobError
+from reasonkv.methods.knobs import KnobError
 
 PROMPT = 4
 METHODS = {  # buffer schedules compress every 16 tokens here (their default 128 only costs steps)

@@ -179,13 +179,6 @@ def test_the_default_group_is_32_and_too_big_a_group_says_so_in_one_line() -> No
     reasonkv.make_cache(tiny_model("llama"), "quant-int4", group_size=16)  # the tests set their own
 
 
-def test_a_unit_stored_below_16_bits_records_its_group() -> None:
-    knobs = knobs_for_methods(["snapkv", "quant-int4", "h2o"], {}, {"snapkv": {"kv_bits": 4}})
-    assert knobs == {"snapkv": {"kv_bits": 4, "group_size": 32}, "quant-int4": {"group_size": 32}, "h2o": {}}
-    two_tier = knobs_for_methods(["snapkv"], {"low_budget": 8, "group_size": 16})["snapkv"]
-    assert two_tier == {"low_budget": 8, "group_size": 16, "low_bits": 4}
-
-
 @pytest.mark.parametrize("path", RESULTS, ids=[p.name for p in RESULTS])
 def test_every_published_unit_below_16_bits_spells_its_group(path: Path) -> None:
     """The default group moved 16 -> 32: every published unit that ran at 16 says so, and keeps

@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from reasonkv.core.models import resolve_device, resolve_dtype
 from reasonkv.core.policy.knob import MAX_TOKENS
 from reasonkv.core.random_models import RANDOM_MODELS
+from reasonkv.harness.record_knobs import record_knobs
 from reasonkv.harness.replay import ReplayRun
 from reasonkv.methods.api import make_cache
 from reasonkv.methods.knobs import check_budget, knobs_for_methods
@@ -194,6 +195,7 @@ def build_runs(methods: list[str], budgets: list[int], knobs: dict[str, object])
         ignored = [k for k, _ in extra if k not in own]
         if ignored:  # a method that never compresses takes its storage knobs only
             raise CliError(f"method {name!r} does not use {', '.join(ignored)} (given as {name}:...)")
+        own = record_knobs(name, own)
         tag = "".join(f":{k}={v}" for k, v in extra)
         if not get_method(name).compresses:
             runs.append(ReplayRun(name, None, own, tag))

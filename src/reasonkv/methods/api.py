@@ -17,6 +17,7 @@ from reasonkv.core.cache import CompressedCache, LayerPolicy
 from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import ModelShape, attention_modules, model_shape
 from reasonkv.core.policy.knob import MAX_TOKENS
+from reasonkv.core.storage_pays import storage_refusal
 from reasonkv.methods.knobs import (
     KnobError,
     at_budget,
@@ -24,7 +25,6 @@ from reasonkv.methods.knobs import (
     check_budget,
     check_knobs,
     check_protected_window,
-    check_storage_pays,
 )
 from reasonkv.methods.profiles import find_profile, load_profile
 from reasonkv.methods.registry import get_method
@@ -131,7 +131,7 @@ def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overri
 
     Quantized storage (kv_bits < 16) that would never quantize a token at this budget, or that
     would hold more K/V while decoding than the same cache at 16 bits, is refused (a KnobError
-    that says what to change; `knobs.check_storage_pays`; `unchecked_storage` lifts that). Left
+    that says what to change; `core.storage_pays`; `unchecked_storage` lifts that). Left
     unset, `residual` is a quarter of the budget, at most 32 (`quantize.default_residual`).
     """
     rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
@@ -183,7 +183,15 @@ def build_policy(
     if spec.compresses and _STORAGE_CHECKED.get():
         plans = [parts.schedule.plan([int(b) for b in layer.tolist()]) for layer in budgets]
         heads = (shape.n_kv_heads, shape.head_dim)
-        check_storage_pays(spec, budget, parts, plans, heads, "residual" in knobs)
+        # Where the budget does not say what a head holds (a schedule counted from the
+        # prompt's end, a kept prompt) the storage cannot be judged from it.
+        if not (parts.schedule.from_prompt_end or parts.protection["protect_prompt"]):
+            split, given = parts.head_allocator is not None, "residual" in knobs
+            why = storage_refusal(
+                spec.name, budget, parts.storage, plans, heads, head_split=split, residual_given=given
+            )
+            if why is not None:
+                raise KnobError(why)
     if parts.storage.pre_rope and rope_inv_freq is None:
         raise KnobError(
             f"parameters of {method!r} do not fit the model: pre_rope needs its RoPE inverse "

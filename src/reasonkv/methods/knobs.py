@@ -8,15 +8,12 @@ import numbers
 import typing
 from dataclasses import dataclass
 
-from reasonkv.core import quantized_peak
-from reasonkv.core.policy.contract import BudgetPlan
 from reasonkv.core.policy.knob import MAX_TOKENS, Bounds, declared_bounds
 from reasonkv.core.policy.schedules import Schedule
 from reasonkv.core.quantize import KVFormat, default_residual
 from reasonkv.methods.presets import PRESETS
 from reasonkv.methods.profiles import load_profile
 from reasonkv.methods.registry import PROTECTION_BOUNDS, PROTECTION_KNOBS, MethodSpec, get_method
-from reasonkv.util.formatting import format_bytes
 
 
 class KnobError(ValueError):
@@ -217,80 +214,6 @@ def at_budget(spec: MethodSpec, budget: int | None, knobs: dict[str, object]) ->
     return {**knobs, "residual": default_residual(budget)}
 
 
-HEAD_SPLIT_MARGIN = 0.2
-"""How far below the 16-bit peak quantized storage must stay, with every head at its budget,
-under a head allocator (AdaKV, ReasonAlloc). Its heads' lengths are split as the cache runs,
-and a layer quantizes only what its shortest head holds: the longer heads' tokens past it stay
-in the full-precision residual. On the tests' model that put AdaKV's peak up to 19 % over the
-estimate with equal heads (so 0.8 of 16 bits becomes at most 0.96); a more uneven split can
-take more."""
-
-
-def check_storage_pays(
-    spec: MethodSpec,
-    budget: int,
-    parts: Parts,
-    plans: list[BudgetPlan],
-    shape: tuple[int, int],
-    residual_given: bool,
-) -> None:
-    """Refuse quantized storage (kv_bits < 16) that never quantizes a token at this budget, or
-    whose decoding peak is above the same cache's at 16 bits (`core.quantized_peak`), for a
-    model of these layers' `plans` and `shape` (KV heads, head dim).
-
-    Not checked where the tokens a head holds are not the budget's to say: a schedule that
-    never compresses (full, quant-int*, RPC's), or one that keeps the whole prompt even past
-    the budget (protect_prompt) or until a count of decode steps (phase=decode). Where the
-    split between heads is decided as the cache runs (a head allocator), the shortest head,
-    which decides what is quantized, holds no more than the mean, so "never quantizes" is as
-    sure; the peak is estimated with equal heads and must save `HEAD_SPLIT_MARGIN`."""
-    fmt = parts.storage
-    if not fmt.quantized or parts.schedule.from_prompt_end or parts.protection["protect_prompt"]:
-        return
-    layers = [quantized_peak.LayerSlots.of(plan) for plan in plans]
-    if any(layer is None for layer in layers):
-        return
-    r, g = fmt.residual, fmt.group_size
-    residual = f"residual={r}" + ("" if residual_given else f", the default at budget {budget}")
-    if not any(quantized_peak.quantizes(layer, fmt) for layer in layers):
-        most = max(layer.most_slots for layer in layers)
-        raise KnobError(
-            f"kv_bits={fmt.kv_bits} quantizes nothing at budget {budget}: a head of {spec.name!r} holds "
-            f"at most {most} tokens here, and a group of group_size={g} leaves the full-precision "
-            f"residual ({residual}) only at {r + g}; lower group_size or residual, raise the budget, "
-            "or use kv_bits=16"
-        )
-    uniform = all(len(set(plan.triggers)) == 1 and len(set(plan.targets)) == 1 for plan in plans)
-    if not uniform or not quantized_peak.steady(layers):
-        return
-    slot = quantized_peak.SlotBytes(*shape, fmt)
-    at_16 = quantized_peak.peak_16bit(layers, slot)
-    quantized = quantized_peak.peak_quantized(layers, slot)
-    split = parts.head_allocator is not None
-    if quantized <= at_16 * (1 - HEAD_SPLIT_MARGIN if split else 1):
-        return
-    given = [f"{k}={getattr(fmt, k)}" for k in ("value_group_size", "fp_sinks") if getattr(fmt, k)]
-    default = "" if residual_given else f" (the default at budget {budget})"
-    setting = f"{spec.name!r} with group_size={g}, {', '.join([f'residual={r}', *given])}{default}"
-    peaks = (
-        f"{format_bytes(quantized)} of K/V a sequence while decoding, against {format_bytes(at_16)} at "
-        f"16 bits ({quantized / at_16:.3f}x; {len(plans)} layers, {r + g} tokens a head in full precision, "
-        "a layer read dequantized each step)"
-    )
-    change = "lower group_size or residual, raise the budget, or use kv_bits=16"
-    if split:
-        raise KnobError(
-            f"kv_bits={fmt.kv_bits} saves too little under a head allocator at budget {budget} on this "
-            f"model: with every head at its budget, {setting} peaks at {peaks}, and the uneven split "
-            f"keeps the longer heads' tokens in full precision; it must save {HEAD_SPLIT_MARGIN:.0%}: "
-            f"{change}"
-        )
-    raise KnobError(
-        f"kv_bits={fmt.kv_bits} holds more than kv_bits=16 at budget {budget} on this model: {setting} "
-        f"peaks at {peaks}; {change}"
-    )
-
-
 def check_protected_window(spec: MethodSpec, budget: int, kept: int, protected: int) -> None:
     """Refuse a budget whose post-compression size `kept` is below the protected window."""
     if kept < protected:
@@ -317,14 +240,6 @@ def knobs_for_methods(
         if not spec.compresses:
             mine = {k: v for k, v in mine.items() if k in storage_knobs(spec)}
         out[name] = check_knobs(spec, mine)
-        if out[name].get("low_budget") and "low_bits" not in out[name]:
-            # A two-tier unit records its tier's width in its knobs, from which a sweep unit's
-            # key is made: a key then names one width whatever the default is.
-            out[name]["low_bits"] = spec.knobs()["low_bits"]
-        if "group_size" not in out[name] and stores_quantized(name, out[name]):
-            # Likewise a unit stored below 16 bits records its group size (the published units
-            # in examples/bytes/ spell it).
-            out[name]["group_size"] = spec.knobs()["group_size"]
     return out
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from reasonkv.core.models import resolve_device, resolve_dtype
+from reasonkv.harness.record_knobs import record_knobs
 from reasonkv.methods.knobs import knobs_for_methods
 from reasonkv.methods.registry import get_method
 
@@ -141,9 +142,10 @@ def _resolve_knobs(methods: list[str], raw: dict) -> dict[str, dict[str, Any]]:
     if stray:
         raise GridError(f"[knobs.{stray[0]}]: {stray[0]!r} is not one of the grid's methods")
     try:
-        return knobs_for_methods(methods, shared, per_method)
+        checked = knobs_for_methods(methods, shared, per_method)
     except ValueError as err:  # an unknown method or knob, a bad value
         raise GridError(str(err)) from None
+    return {name: record_knobs(name, knobs) for name, knobs in checked.items()}
 
 
 def parse_grid(data: dict, base_dir: str | Path = ".", path: Path | None = None) -> Grid:
