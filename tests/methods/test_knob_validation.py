@@ -16,7 +16,7 @@ from method_helpers import time_limit
 from reasonkv.core.policy.allocators.reasonalloc import layer_budgets
 from reasonkv.core.policy.base import pool_tokens
 from reasonkv.core.policy.knob import Bounds, knob
-from reasonkv.core.policy.schedules import MaxMinThreshold
+from reasonkv.core.policy.schedules import MaxMinThreshold, Schedule
 from reasonkv.methods.api import _min_budget
 from reasonkv.methods.knobs import KnobError, check_budget, check_knobs, knob_rule
 from reasonkv.methods.registry import METHODS
@@ -37,12 +37,24 @@ def test_the_message_names_the_knob_the_method_the_range_and_the_value() -> None
     assert isinstance(err.value, ValueError)
 
 
-@pytest.mark.parametrize("fraction", [1.0, 2.0])
-def test_min_budget_is_a_bounded_search(fraction: float) -> None:
-    """A schedule built by hand (no knob check) whose target never reaches the protected
-    window: an error, quickly, not an endless loop."""
+class KeepsNothing(Schedule):
+    """A schedule whose target never reaches any protected window (none of ours can be built
+    so: `fraction` is declared in (0, 1), and a part built by hand is held to that too)."""
+
+    def target(self, budget: int) -> int:
+        return 0
+
+    def describe(self) -> str:
+        return "keeps-nothing"
+
+
+def test_min_budget_is_a_bounded_search() -> None:
+    """A schedule whose target never reaches the protected window: an error, quickly, not an
+    endless loop."""
     with time_limit(5), pytest.raises(ValueError, match="no budget up to 10\\^9"):
-        _min_budget(MaxMinThreshold(fraction=fraction), 20)
+        _min_budget(KeepsNothing(), 20)
+    with pytest.raises(ValueError, match=r"^fraction must be in \(0, 1\), got 1.0"):
+        MaxMinThreshold(fraction=1.0)
 
 
 @pytest.mark.parametrize("fraction", [0.01, 0.125, 0.5, 0.9, 0.999])

@@ -18,6 +18,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from reasonkv.core.policy.base import Observation
+from reasonkv.core.policy.knob import Declared
 
 
 class PolicyState:
@@ -102,7 +103,7 @@ class LayerView(Protocol):
     def scorer_states(self) -> list: ...  # every layer's scorer state, for work batched across layers
 
 
-class Scorer:
+class Scorer(Declared):
     """Which tokens to keep: higher score = keep. A scorer never decides how many.
 
     Hooks, in the order the cache calls them once per forward of a layer, after attention:
@@ -172,7 +173,7 @@ class SplitRequest:
     rows: torch.Tensor | None = None  # [B] bool: the rows compressing now (others are discarded)
 
 
-class HeadAllocator:
+class HeadAllocator(Declared):
     """Moves a layer's budget between its heads at every compression (AdaKV, ReasonAlloc).
     `split` must keep each row's total exactly and give no head fewer than `min_tokens`."""
 
@@ -189,7 +190,7 @@ class HeadAllocator:
         raise NotImplementedError
 
 
-class Allocator:
+class Allocator(Declared):
     """Budgets per (layer, KV head), set once when the cache is built."""
 
     def allocate(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 
 MAX_TOKENS = 10**9
@@ -89,3 +90,31 @@ def declared_bounds(cls: type, name: str) -> Bounds | None:
         if f.name == name:
             return f.metadata.get(BOUNDS_KEY)
     return None
+
+
+def check_declared(obj: object) -> None:
+    """Raise ValueError for a field of the dataclass `obj` outside what its declaration allows
+    (a `knob` range, or a `typing.Literal`'s choices): a policy built directly, not through
+    `check_knobs`, is held to the same declaration. Rules between knobs are the class's own."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if not f.init:
+            continue
+        value = getattr(obj, f.name)
+        bounds = f.metadata.get(BOUNDS_KEY)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if bounds is not None and number and not bounds.admits(value):
+            raise ValueError(f"{f.name} must be {bounds.describe()}, got {value!r}")
+        hint = hints.get(f.name)
+        if typing.get_origin(hint) is typing.Literal and value not in typing.get_args(hint):
+            choices = ", ".join(map(repr, typing.get_args(hint)))
+            raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
+
+
+class Declared:
+    """A policy part whose dataclass fields are its knobs: a dataclass subclass's generated
+    `__init__` calls this `__post_init__`, so every part built, through `check_knobs` or
+    directly, is held to its declarations. A subclass with rules between knobs extends it."""
+
+    def __post_init__(self) -> None:
+        check_declared(self)

@@ -16,14 +16,14 @@ import torch
 
 from reasonkv.core.policy.base import EMPTY
 from reasonkv.core.policy.contract import BudgetPlan, LayerView, PolicyState
-from reasonkv.core.policy.knob import knob, tokens, unit
+from reasonkv.core.policy.knob import Declared, knob, tokens, unit
 
 MAX_RATIO = 10**6
 """The largest compression ratio c of RPC's schedule (it keeps P/c of every P tokens)."""
 
 
 @dataclass(frozen=True)
-class Schedule:
+class Schedule(Declared):
     """Never compresses (the full cache); the base of every schedule.
 
     A budget schedule only defines `trigger`, `target` and `hole_slots`; the hooks below follow
@@ -135,10 +135,7 @@ class EveryStep(Schedule):
     evicts_every_step: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if self.compact_every < 1:
-            raise ValueError(f"compact_every must be at least 1, got {self.compact_every}")
-        if self.evict_every < 1:
-            raise ValueError(f"evict_every must be at least 1, got {self.evict_every}")
+        super().__post_init__()
 
     def trigger(self, budget: int) -> int:
         return budget + self.evict_every

@@ -53,8 +53,7 @@ class AdaKVHeadAllocator(HeadAllocator):
     protect_prompt: bool = False
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.floor_alpha <= 1.0:
-            raise ValueError(f"floor_alpha must be in [0, 1], got {self.floor_alpha}")
+        super().__post_init__()
         if self.protect_prompt:
             raise ValueError(
                 "the AdaKV head split does not support protect_prompt (it cannot see the prompt end)"

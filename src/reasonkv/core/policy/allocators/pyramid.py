@@ -43,8 +43,7 @@ class PyramidAllocator(Allocator):
     window: int = tokens(8, minimum=0)
 
     def __post_init__(self) -> None:
-        if self.beta < 1:
-            raise ValueError(f"beta must be >= 1 (min = C'/beta <= max), got {self.beta}")
+        super().__post_init__()  # beta >= 1: min = C'/beta <= max
 
     def allocate(
         self, n_layers: int, n_kv_heads: int, budget: int, stats: dict | None = None

@@ -196,12 +196,7 @@ class EntropyHeadSplit(HeadAllocator):
     added after a query are causally masked, so the result is that of every single step."""
 
     def __post_init__(self) -> None:
-        if self.utility not in ("step", "compression"):
-            raise ValueError(f"utility must be 'step' or 'compression', got {self.utility!r}")
-        if not 0.0 <= self.step_ema < 1.0:
-            raise ValueError(f"step_ema must be in [0, 1), got {self.step_ema}")
-        if self.entropy_every < 1:
-            raise ValueError(f"entropy_every must be at least 1, got {self.entropy_every}")
+        super().__post_init__()
 
     @property
     def query_backlog(self) -> int:

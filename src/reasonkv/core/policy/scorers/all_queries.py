@@ -65,8 +65,6 @@ class AllQueriesScorer(InitialRecentScorer):
     kmeans_iters: int = knob(10, ge=1, le=100)
 
     def __post_init__(self) -> None:
-        if self.selection not in ("fps", "kmeans"):
-            raise ValueError(f"selection must be 'fps' or 'kmeans', got {self.selection!r}")
         super().__post_init__()
         self.beacon_max = 0  # the buffers start empty and grow
 

@@ -220,22 +220,8 @@ class BeaconKVScorer(Scorer):
     """How the cache holds the recent queries (and the backlog): 16 or 8 (codes, a scale each)."""
 
     def __post_init__(self) -> None:
-        for name in ("beacon_bits", "window_bits"):
-            if getattr(self, name) not in (16, 8):
-                raise ValueError(f"{name} must be 16 or 8, got {getattr(self, name)!r}")
+        super().__post_init__()
         self._check_sizes()
-        if self.recent < 1:
-            raise ValueError(f"recent must be at least 1, got {self.recent}")
-        if self.aggregation not in ("max", "mean"):
-            raise ValueError(f"aggregation must be 'max' or 'mean', got {self.aggregation!r}")
-        if self.upkeep_every < 1:
-            raise ValueError(f"upkeep_every must be at least 1, got {self.upkeep_every}")
-        if self.beacon_scope not in ("query_head", "kv_head"):
-            raise ValueError(f"beacon_scope must be 'query_head' or 'kv_head', got {self.beacon_scope!r}")
-        if self.beacon_feed not in ("all", "generated", "no_sinks"):
-            raise ValueError(
-                f"beacon_feed must be 'all', 'generated' or 'no_sinks', got {self.beacon_feed!r}"
-            )
 
     def _check_sizes(self) -> None:
         """The buffer sizes fit continual FPS (a subclass with other upkeep checks its own)."""

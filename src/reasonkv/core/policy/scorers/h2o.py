@@ -49,8 +49,7 @@ class H2OScorer(Scorer):
     state_names: ClassVar[tuple[str, ...]] = ("h2o_acc",)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.recent_ratio <= 1.0:
-            raise ValueError(f"recent_ratio must be within [0, 1], got {self.recent_ratio}")
+        super().__post_init__()
 
     @property
     def query_backlog(self) -> int:

@@ -23,10 +23,7 @@ class RecentQueryScorer(Scorer):
     aggregation: Literal["max", "mean"] = "max"
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"window must be at least 1, got {self.window}")
-        if self.aggregation not in ("max", "mean"):
-            raise ValueError(f"aggregation must be 'max' or 'mean', got {self.aggregation!r}")
+        super().__post_init__()
 
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         probs = window_attention(obs, keys, gqa=self.aggregation)  # [B, H, W, T]
