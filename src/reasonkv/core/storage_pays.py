@@ -13,8 +13,8 @@ HEAD_SPLIT_MARGIN = 0.2
 """How far below the 16-bit peak quantized storage must stay, with every head at its budget,
 under a head allocator (AdaKV, ReasonAlloc). Its heads' lengths are split as the cache runs,
 and a layer quantizes only what its shortest head holds: the longer heads' tokens past it stay
-in the full-precision residual, which the estimate with equal heads does not see (on the tests'
-model AdaKV's peak was up to 19 % over it; a more uneven split can take more)."""
+in the full-precision residual, which the estimate with equal heads does not see
+(docs/architecture.md, "Storage that cannot pay is refused", says what the tests' model showed)."""
 
 CHANGE = "lower group_size or residual, raise the budget, or use kv_bits=16"
 
