@@ -56,10 +56,10 @@ def worker(spec: dict) -> dict:
 
     extra = {}
     method, kv = split_run(spec["method"])
-    if method == SHORT:  # every request whole in the pool, generating `budget` tokens
+    if method == SHORT:  # every request whole in the pool (and vLLM's null block), generating `budget` tokens
         longest = max(map(len, spec["prompts"])) + spec["budget"]
-        spec = {**spec, "new_tokens": spec["budget"],
-                "blocks": spec["requests"] * -(-longest // spec["block_size"])}  # fmt: skip
+        spec = {**spec, "new_tokens": spec["budget"], "max_model_len": longest + spec["block_size"],
+                "blocks": spec["requests"] * -(-longest // spec["block_size"]) + 1}  # fmt: skip
     elif method != PLAIN:
         entry = {"method": method, "budget": spec["budget"], **spec["knobs"]}
         extra["additional_config"] = {"reasonkv": entry}
