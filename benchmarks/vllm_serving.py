@@ -84,7 +84,8 @@ def worker(spec: dict) -> dict:
     params = SamplingParams(max_tokens=spec["new_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)  # warm-up
-    llm.reset_prefix_cache()  # the timed requests find only what they cache themselves
+    if not llm.reset_prefix_cache():  # the timed requests find only what they cache themselves
+        raise RuntimeError("vLLM did not drop the warm-up's cached blocks")
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start

@@ -81,8 +81,15 @@ class Request:
         self.keys = self.values = None
         self.moved_from: list[int] = []  # the first slot each compaction wrote
 
+    def trim(self) -> None:
+        """Slots past the storage's length are free (the engine gives their blocks back): a
+        compaction that moves nothing only shortens the request."""
+        if self.keys is not None:
+            self.keys, self.values = (kv[:, :, : self.storage.length] for kv in (self.keys, self.values))
+
     def feed(self, new_k, new_v, query, positions, scaling) -> bool:
         """One forward; whether it compressed."""
+        self.trim()
         self.keys = new_k if self.keys is None else torch.cat([self.keys, new_k], dim=2)
         self.values = new_v if self.values is None else torch.cat([self.values, new_v], dim=2)
 
@@ -135,6 +142,7 @@ def replay(request: Request, steps: list, chunk: int | None = None, shared: int 
     for new_k, new_v, query, positions, held, scaling in rest:
         compressions += request.feed(new_k, new_v, query, positions, scaling)
         assert request.held() == held, f"layer {request.step.layer_idx} after token {request.step.seen}"
+    request.trim()
     assert request.storage.length == request.keys.shape[2]
     return compressions
 
@@ -271,9 +279,10 @@ SHARING = [
 SHARED_PROMPT, SHARED_BLOCK = 48, 8
 
 
+@pytest.mark.parametrize("chunk", [None, 8], ids=["one-prefill", "chunks-of-8"])
 @pytest.mark.parametrize(("method", "budget", "knobs"), SHARING, ids=lambda v: str(v))
 def test_after_a_shared_prefix_the_paged_step_keeps_what_the_whole_prompt_keeps(
-    monkeypatch, method, budget, knobs
+    monkeypatch, method, budget, knobs, chunk
 ) -> None:
     """A prefix-cache hit stores the prompt's first tokens without a forward: the step never sees
     their queries. Where `prompt_sharing` allows the hit (the prompt protected, the window's
@@ -288,8 +297,8 @@ def test_after_a_shared_prefix_the_paged_step_keeps_what_the_whole_prompt_keeps(
     compressions = 0
     for layer_idx, steps in forwards.items():
         request = Request(layer_idx, cache, states, prompt_end=SHARED_PROMPT)
-        compressions += replay(request, steps, shared=sharing.hit)
-        assert min(request.moved_from) >= SHARED_PROMPT
+        compressions += replay(request, steps, chunk, shared=sharing.hit)
+        assert min(request.moved_from, default=SHARED_PROMPT) >= SHARED_PROMPT  # none: truncations only
     assert compressions > 0, "the run never compressed: the comparison would prove nothing"
 
 
@@ -302,6 +311,9 @@ def test_after_a_shared_prefix_the_paged_step_keeps_what_the_whole_prompt_keeps(
         ("beaconkv", {"protect_prompt": True, "beacon_feed": "no_sinks"}, PromptSharing(0, 40)),
         ("beaconkv", {"protect_prompt": True}, PromptSharing(16, 40)),  # keeps 16 + 8 queries
         ("rpc", {}, PromptSharing(8, 40)),  # keeps its 32 recent queries
+        ("h2o", {"protect_prompt": True}, PromptSharing(40, 40)),  # its sums of prompt keys never decide
+        ("adakv-snapkv", {}, NOTHING_SHARED),  # AdaKV refuses protect_prompt
+        ("pyramidkv", {"protect_prompt": True}, PromptSharing(32, 40)),  # its SnapKV window of 8 queries
     ],
     ids=lambda v: str(v),
 )
@@ -310,3 +322,23 @@ def test_what_a_compressed_prompt_may_share(method, knobs, expected) -> None:
     where the scorer keeps nothing of older prompt queries (beacons fed by the prompt do)."""
     cache = reasonkv.make_cache(tiny_model("llama"), method, 64, **knobs)
     assert prompt_sharing(cache.policy, 45, 8) == expected
+
+
+def test_a_scorer_that_observes_every_forward_or_a_head_split_takes_no_hit() -> None:
+    """By default a scorer with its own `on_step` may keep what older prompt queries showed it,
+    and a head allocator keeps what it measured: neither may start after a shared prefix."""
+    from reasonkv.core.policy.allocators.reasonalloc import EntropyHeadSplit
+    from reasonkv.core.policy.contract import Scorer
+    from reasonkv.core.policy.schedules import EveryStep
+    from reasonkv.core.step import LayerPolicy
+
+    class Observing(Scorer):
+        def on_step(self, step, keys) -> None:
+            pass
+
+    plain = LayerPolicy(Scorer(), EveryStep(), protect_prompt=True)
+    assert prompt_sharing(plain, 45, 8) == PromptSharing(40, 40)
+    observing = LayerPolicy(Observing(), EveryStep(), protect_prompt=True)
+    assert prompt_sharing(observing, 45, 8) == PromptSharing(0, 40)
+    split = LayerPolicy(Scorer(), EveryStep(), protect_prompt=True, head_allocator=EntropyHeadSplit())
+    assert prompt_sharing(split, 45, 8) == PromptSharing(0, 40)

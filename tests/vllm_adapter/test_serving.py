@@ -166,10 +166,10 @@ def test_chunked_prefill_keeps_what_one_prefill_keeps(
         assert first == {n: n + FIRST_COMPRESSION[case] for n in lengths}
 
 
-def test_prefix_caching_is_turned_off_and_shared_prompts_stay_apart(tiny_model_dir, tmp_path) -> None:
-    """vLLM turns prefix caching on by default; with the adapter on it is off (a warning says so),
-    so two requests with the same prompt never share a block that one of them compacts: each
-    equals its run alone."""
+def test_a_method_that_may_evict_its_prompt_shares_no_block(tiny_model_dir, tmp_path) -> None:
+    """vLLM's prefix caching stays on with the adapter; SnapKV may evict from its prompt, so two
+    requests with the same prompt share no block (one of them would compact it): each equals
+    its run alone, and neither finds a cached block (test_prefix_caching.py has the rest)."""
     same = prompts([70], seed=5)[0]
     spec = {
         "model": tiny_model_dir, "reasonkv": SNAPKV, "prompts": [same, same, prompts([75], seed=6)[0]],
@@ -179,7 +179,9 @@ def test_prefix_caching_is_turned_off_and_shared_prompts_stay_apart(tiny_model_d
     alone = run_engine({**spec, "max_num_seqs": 1}, tmp_path, "apart")
     assert together["tokens"] == alone["tokens"]
     assert together["tokens"][0] == together["tokens"][1]
-    assert "prefix caching is turned off" in together["log"]
+    again = run_engine({**spec, "waves": [[0], [1]]}, tmp_path, "again")
+    assert [w["cached"] for w in again["waves"]] == [[0], [0]]
+    assert [w["tokens"][0] for w in again["waves"]] == alone["tokens"][:2]
 
 
 def test_vllm_refuses_a_pool_smaller_than_one_uncompressed_request(tiny_model_dir, tmp_path) -> None:

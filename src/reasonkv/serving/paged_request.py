@@ -128,7 +128,8 @@ class PagedRequestStorage:
                 f"heads keep {new_len.tolist()} tokens; a shared block table needs one count for every head"
             )
         slots = slots[:, :kept]
-        self._move(slots[:, first:], first)
+        if first < kept:
+            self._move(slots[:, first:], first)
         index = self.token_index
         self._token_index = index.gather(2, slots[None])
         self._token_state = {n: t.gather(2, slots[None]) for n, t in self._token_state.items()}

@@ -16,7 +16,8 @@ tokens its name says. Two rules keep sharing safe and the outputs unchanged:
   The step then starts as if the first chunk of the prompt had been fed without its queries
   (`PagedRequestStorage.extend` and `LayerStep.advance` by the shared tokens).
 
-Requests that are not compressed follow the engine's own rules. Pure: no engine, no torch.
+A head allocator that keeps what it saw (ReasonAlloc's running entropy) takes no hit either.
+Requests that are not compressed follow the engine's own rules. Imports no engine.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def prompt_sharing(policy: LayerPolicy, prompt_len: int, block_size: int) -> Pro
     if not policy.protect_prompt:
         return NOTHING_SHARED
     named = prompt_len // block_size * block_size
-    if policy.scorer.keeps_old_prompt_queries():
+    if policy.scorer.keeps_old_prompt_queries() or policy.head_allocator is not None:
         return PromptSharing(0, named)
     hit = max(prompt_len - window_keep(policy), 0) // block_size * block_size
     return PromptSharing(hit, named)

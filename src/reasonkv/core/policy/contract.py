@@ -143,13 +143,13 @@ class Scorer(Declared):
         return self.step_reads_keys
 
     def keeps_old_prompt_queries(self) -> bool:
-        """Whether this scorer's state keeps something of prompt queries older than the window
-        (beacons fed by the prompt). A serving engine that skips the forward of a prompt prefix
-        it shares with another request (prefix caching) never shows it those queries: such a
-        scorer cannot start after a shared prefix. Default: no state outlives the window, or
-        what does (H2O's attention sums) concerns prompt keys only, which matters only where
-        the prompt may be evicted (and then no prefix is shared)."""
-        return False
+        """Whether this scorer's state may keep something of prompt queries older than the
+        window (beacons fed by the prompt). A serving engine that skips the forward of a prompt
+        prefix it shares with another request (prefix caching) never shows it those queries:
+        such a scorer cannot start after a shared prefix. Default: a scorer that observes every
+        forward (`on_step`) may; one that reads only its window does not. A scorer whose
+        observations cannot matter after a shared prefix says so by overriding this."""
+        return type(self).on_step is not Scorer.on_step
 
     def on_step(self, step: Observation, keys: torch.Tensor | None) -> None:
         """See every query of this forward ([B, Hq, q, D] in `step`) over the stored keys [B, H, T, D]

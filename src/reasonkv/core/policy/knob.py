@@ -11,6 +11,7 @@ declares a knob that takes any value of its type (a file path). Choices are the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import dataclass
@@ -96,7 +97,7 @@ def check_declared(obj: object) -> None:
     """Raise ValueError for a field of the dataclass `obj` outside what its declaration allows
     (a `knob` range, or a `typing.Literal`'s choices): a policy built directly, not through
     `check_knobs`, is held to the same declaration. Rules between knobs are the class's own."""
-    hints = typing.get_type_hints(type(obj))
+    hints = _literal_hints(type(obj))
     for f in dataclasses.fields(obj):
         if not f.init:
             continue
@@ -105,10 +106,19 @@ def check_declared(obj: object) -> None:
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if bounds is not None and number and not bounds.admits(value):
             raise ValueError(f"{f.name} must be {bounds.describe()}, got {value!r}")
-        hint = hints.get(f.name)
-        if typing.get_origin(hint) is typing.Literal and value not in typing.get_args(hint):
-            choices = ", ".join(map(repr, typing.get_args(hint)))
-            raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
+        choices = hints.get(f.name)
+        if choices is not None and value not in choices:
+            raise ValueError(f"{f.name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+@functools.cache
+def _literal_hints(cls: type) -> dict[str, tuple]:
+    """The choices of each field of `cls` annotated with a `typing.Literal`, resolved once."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except NameError:  # an annotation only a type checker resolves (as check_knobs, skip them)
+        return {}
+    return {k: typing.get_args(h) for k, h in hints.items() if typing.get_origin(h) is typing.Literal}
 
 
 class Declared:

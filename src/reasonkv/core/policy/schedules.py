@@ -134,9 +134,6 @@ class EveryStep(Schedule):
     evict_every: int = tokens(1)
     evicts_every_step: ClassVar[bool] = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-
     def trigger(self, budget: int) -> int:
         return budget + self.evict_every
 

@@ -59,8 +59,9 @@ def patch_model_runner(runner_cls) -> None:
                 state.forget(scheduler_output.finished_req_ids)
                 state.forget(scheduler_output.preempted_req_ids or ())
                 state.forget(cached.resumed_req_ids)
-                # A request new from its first token starts fresh (a resumed preemption restarts
-                # at 0 too); a streaming session's update keeps its computed tokens and state.
+                # A request new from its first token starts fresh (a preempted or resumed one was
+                # forgotten above, whatever its prefix-cache hit); a streaming session's update
+                # keeps its computed tokens and state.
                 new = scheduler_output.scheduled_new_reqs
                 state.forget(r.req_id for r in new if r.num_computed_tokens == 0)
             return original(self, scheduler_output)
@@ -187,7 +188,7 @@ def patch_scheduler(scheduler_cls, manager_cls) -> None:
     def init(original):
         def run(self, *args, **kwargs):
             original(self, *args, **kwargs)
-            if runtime.is_on(self.vllm_config):
+            if runtime.is_on(self.vllm_config) and self.vllm_config.cache_config.enable_prefix_caching:
                 _share_kept_prompts(self.kv_cache_manager, runtime.PrefixRules(self.vllm_config))
 
         return run
@@ -234,7 +235,7 @@ class _CappedRequest:
         return getattr(self._request, name)
 
 
-def _share_kept_prompts(manager, rules) -> None:
+def _share_kept_prompts(manager, rules: runtime.PrefixRules) -> None:
     """Prefix caching with compressed requests (serving/prefix_sharing.py): a compressed request
     finds cached blocks only within `sharing.hit` tokens and registers blocks only within
     `sharing.named` (its prompt's full blocks, never rewritten), or neither; other requests keep

@@ -100,7 +100,7 @@ def _build(vllm_config) -> WorkerState | None:
 
 
 def check_engine(vllm_config) -> None:
-    """Refuse what the adapter cannot run (one line each) and turn off what it replaces.
+    """Refuse what the adapter cannot run (one line each).
 
     vLLM checks its config inside pydantic, which wraps the refusal in a ValidationError and its
     traceback; where nothing catches it (`vllm serve`), the process ends printing only
@@ -179,7 +179,7 @@ class PrefixRules:
     request; None for a request that is not compressed (vLLM's own rules)."""
 
     def __init__(self, vllm_config) -> None:
-        self.engine = read_settings(vllm_config.additional_config)
+        self.settings = read_settings(vllm_config.additional_config)
         self.block_size = vllm_config.cache_config.block_size
         self.policies = BuiltPolicies(model_shape_of(vllm_config.model_config.hf_config), (None, 1.0))
         self._decided: dict[str, PromptSharing | None] = {}
@@ -188,7 +188,7 @@ class PrefixRules:
         rid = request.request_id
         if rid not in self._decided:
             extra_args = getattr(request.sampling_params, "extra_args", None)
-            settings = request_settings(self.engine, extra_args)  # checked at the front end
+            settings = request_settings(self.settings, extra_args)  # checked at the front end
             self._decided[rid] = (
                 None
                 if settings is None

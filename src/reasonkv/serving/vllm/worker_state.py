@@ -24,6 +24,7 @@ from reasonkv.core.models import ModelShape
 from reasonkv.core.step import LayerPolicy, LayerStep
 from reasonkv.methods.api import build_policy
 from reasonkv.serving.paged_request import PENDING_QUERIES, PagedRequestStorage
+from reasonkv.serving.prefix_sharing import prompt_sharing
 from reasonkv.serving.vllm.paged_kv import TileLayout
 from reasonkv.serving.vllm.settings import ServingSettings, request_settings
 
@@ -181,6 +182,12 @@ class WorkerState:
         settings = request_settings(self.settings, batch.extra_args[i])
         if settings is not None:
             state.budgets, state.policy = self.policy_for(settings)
+            allowed = prompt_sharing(state.policy, state.prompt_len, self.block_size).hit
+            if state.shared > allowed:  # the scheduler's rule (hooks._share_kept_prompts) broken
+                raise RuntimeError(
+                    f"reasonkv: request {batch.req_ids[i]} starts after {state.shared} cached tokens; "
+                    f"its method may share at most {allowed}"
+                )
         state.scorer_states = [None] * self.n_layers
         return state
 

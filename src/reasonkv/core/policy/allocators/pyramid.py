@@ -39,11 +39,8 @@ class PyramidAllocator(Allocator):
     window on purpose: in PyramidKV/SnapKV they are one number.
     """
 
-    beta: float = knob(20.0, ge=1.0)
+    beta: float = knob(20.0, ge=1.0)  # >= 1: min = C'/beta <= max
     window: int = tokens(8, minimum=0)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()  # beta >= 1: min = C'/beta <= max
 
     def allocate(
         self, n_layers: int, n_kv_heads: int, budget: int, stats: dict | None = None

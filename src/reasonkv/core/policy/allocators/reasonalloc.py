@@ -195,9 +195,6 @@ class EntropyHeadSplit(HeadAllocator):
     at a time, in one pass (or before any compression, so no key they saw is gone yet). Keys
     added after a query are causally masked, so the result is that of every single step."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-
     @property
     def query_backlog(self) -> int:
         """The queries the layer's window must hold for the queue (see entropy_every)."""
@@ -242,8 +239,6 @@ class EntropyHeadSplit(HeadAllocator):
     def split(self, request: SplitRequest, state: PolicyState | None = None) -> torch.Tensor:
         if request.keys is None:
             raise ValueError("EntropyHeadSplit needs the layer's keys to measure attention entropy")
-        if self.prefer not in ("focused", "diffuse"):
-            raise ValueError(f"prefer must be 'focused' or 'diffuse', got {self.prefer!r}")
         ent = normalised_entropy(request.obs, request.keys)
         if self.utility == "step" and isinstance(state, UtilityState):
             self.flush(request.obs, request.keys, state)

@@ -48,9 +48,6 @@ class H2OScorer(Scorer):
     window: int = field(default=1, init=False, repr=False)
     state_names: ClassVar[tuple[str, ...]] = ("h2o_acc",)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-
     @property
     def query_backlog(self) -> int:
         """The waiting queries, kept by the layer's window until they are summed."""
@@ -64,6 +61,11 @@ class H2OScorer(Scorer):
 
     def _folds(self, state: H2OState | None, q: int) -> bool:
         return state is None or q > 1 or state.pending + q >= self.fold_every
+
+    def keeps_old_prompt_queries(self) -> bool:
+        """A prompt query's attention adds only to prompt keys' sums (causal), and a prefix is
+        shared only where the prompt is never evicted: those sums never decide anything."""
+        return False
 
     def on_step(self, step: Observation, keys: torch.Tensor | None) -> None:
         """Add the attention of this forward's queries (all of `step`'s), and of the waiting

@@ -45,8 +45,7 @@ class InitialRecentScorer(BeaconKVScorer):
         super().__post_init__()
 
     def _check_sizes(self) -> None:
-        if self.beacon_min < 1:
-            raise ValueError(f"beacon_min must be at least 1, got {self.beacon_min}")
+        """No rule between its sizes: `beacon_max` is `beacon_min`."""
 
     def _admit(
         self, beacons: torch.Tensor, count: torch.Tensor, points: torch.Tensor, valid: torch.Tensor

@@ -22,9 +22,6 @@ class RecentQueryScorer(Scorer):
     window: int = tokens(32)
     aggregation: Literal["max", "mean"] = "max"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         probs = window_attention(obs, keys, gqa=self.aggregation)  # [B, H, W, T]
         return reduce_queries(probs, obs, self.aggregation)
