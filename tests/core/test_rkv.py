@@ -151,7 +151,9 @@ def test_rkv_redundancy_spares_the_newest_duplicate():
     expected = torch.softmax(torch.tensor([2.0, 0, 1, 0, 0, 0]) / 6, dim=0)
     assert torch.allclose(red, expected, atol=1e-6)
     assert red[0] > red[2] > red[4] == red[1]
-    scores = RKVScorer(mix_lambda=0.0, window=0).score(obs, keys, keys)  # no window: all 6 scored
+    # window=1 keeps d (slot 5), the smallest window the knob allows; the other 5 are scored.
+    scores = RKVScorer(mix_lambda=0.0, window=1).score(obs, keys, keys)
+    assert scores[0, 0, 5] == torch.finfo(scores.dtype).max
     none = torch.zeros(1, 1, 6, dtype=torch.bool)
     slots, _ = select_tokens(scores, obs.token_index, torch.tensor([[4]]), none)
     assert slots[0, 0].tolist() == [1, 3, 4, 5]  # the two older copies go
