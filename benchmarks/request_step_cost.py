@@ -63,7 +63,9 @@ class Engine:
     def __init__(self, settings: ServingSettings, requests: int, length: int, seed: int) -> None:
         dtype = torch.bfloat16
         self.isa = _get_attn_isa(dtype, BLOCK, SHAPE.head_dim)
-        self.layer = SimpleNamespace(isa=self.isa, _k_scale_float=1.0, _v_scale_float=1.0)
+        self.layer = SimpleNamespace(
+            isa=self.isa, kv_cache_dtype="auto", _k_scale_float=1.0, _v_scale_float=1.0
+        )
         per_request = -(-length // BLOCK)
         gen = torch.Generator().manual_seed(seed)
         shape = (requests * per_request, SHAPE.n_kv_heads, BLOCK, 2 * SHAPE.head_dim)

@@ -2,7 +2,8 @@
 
 Every run gets the same KV pool (`--blocks` blocks of `--block-size` tokens) and the same N
 prompts, each generating exactly `--new-tokens` tokens (ignore_eos, greedy). Reported per run:
-aggregate output tokens/s, the most requests running at once and the mean, preemptions, vLLM's
+aggregate output tokens/s, the most requests running at once and the mean (over all steps, and
+"queued": over the steps where some request waits, i.e. where the pool is the limit), preemptions, vLLM's
 KV-usage figure (mean over steps), time to first token and time per output token (medians over
 requests), and each run's ratio to plain vLLM. "plain" is vLLM with the plugin installed and off
 (tests/vllm_adapter prove its tokens equal vLLM's without the plugin; it still counts scheduler
@@ -23,7 +24,8 @@ run's TPOT against it.
 
 A run named `METHOD@fp8` (also `@fp8_e5m2`; `plain@fp8` for vLLM alone) stores the KV cache in
 vLLM's fp8 format, in a pool of the same bytes: `--blocks` counts blocks of the model's dtype,
-and an fp8 run gets as many more blocks as its elements are smaller (twice, from bf16).
+and an fp8 run gets as many more blocks as its elements are smaller (twice, from bf16). A run
+may carry knobs of its own, applied after `--knobs`: `tova:evict_every=64`, `tova:evict_every=64@fp8`.
 
 Run with the vLLM venv's Python; the model is a folder vLLM loads (the default model:
 `.venv/bin/python scripts/export_for_vllm.py build/smollm2-135m`):
@@ -55,13 +57,13 @@ def worker(spec: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     extra = {}
-    method, kv = split_run(spec["method"])
+    method, kv, own = split_run(spec["method"])
     if method == SHORT:  # every request whole in the pool (and vLLM's null block), generating `budget` tokens
         longest = max(map(len, spec["prompts"])) + spec["budget"]
         spec = {**spec, "new_tokens": spec["budget"], "max_model_len": longest + spec["block_size"],
                 "blocks": spec["requests"] * -(-longest // spec["block_size"]) + 1}  # fmt: skip
     elif method != PLAIN:
-        entry = {"method": method, "budget": spec["budget"], **spec["knobs"]}
+        entry = {"method": method, "budget": spec["budget"], **spec["knobs"], **own}
         extra["additional_config"] = {"reasonkv": entry}
     blocks = spec["blocks"]
     if kv != "auto":  # the same bytes: one-byte elements instead of the model dtype's
@@ -104,10 +106,21 @@ def worker(spec: dict) -> dict:
             "prefix_hit_rate": cached / prompt_tokens}  # fmt: skip
 
 
-def split_run(name: str) -> tuple[str, str]:
-    """A run's method and KV cache dtype: "snapkv@fp8" -> ("snapkv", "fp8"), "h2o" -> ("h2o", "auto")."""
+def split_run(name: str) -> tuple[str, str, dict]:
+    """A run's method, KV cache dtype and own knobs: "snapkv@fp8" -> ("snapkv", "fp8", {}),
+    "tova:evict_every=64" -> ("tova", "auto", {"evict_every": 64}) (values read as JSON)."""
     method, _, kv = name.partition("@")
-    return method, kv or "auto"
+    method, *pairs = method.split(":")
+    knobs = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"vllm_serving: knob {pair!r} of run {name!r} is not name=value")
+        try:
+            knobs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            knobs[key] = value  # a string choice: beacon_feed=all
+    return method, kv or "auto", knobs
 
 
 def run(spec: dict, trace: Path) -> dict:
@@ -148,6 +161,8 @@ def summarise(method: str, result: dict, trace: Path) -> dict:
     if steps:
         row["most_running"] = max(s["running"] for s in steps)
         row["mean_running"] = statistics.fmean(s["running"] for s in steps)
+        queued = [s["running"] for s in steps if s["waiting"]]  # the start and the tail left out
+        row["mean_running_queued"] = statistics.fmean(queued) if queued else None
         row["mean_kv_usage"] = statistics.fmean(s["usage"] for s in steps)
     return row
 
@@ -217,14 +232,16 @@ def main() -> None:
                 save(args.out, command, settings, order, rows)
     plain = statistics.fmean(r["tok_s"] for r in rows if r["method"] == PLAIN)
 
-    print(f"\n{'method':<16}{'tok/s':>8}{'x plain':>9}{'running':>9}{'mean':>7}{'preempt':>9}{'KV use':>8}"
-          f"{'TTFT s':>8}{'TPOT ms':>9}{'x short':>8}{'hit %':>7}")  # fmt: skip
+    print(f"\n{'method':<16}{'tok/s':>8}{'x plain':>9}{'running':>9}{'mean':>7}{'queued':>7}{'preempt':>9}"
+          f"{'KV use':>8}{'TTFT s':>8}{'TPOT ms':>9}{'x short':>8}{'hit %':>7}")  # fmt: skip
     short = next((r["tpot_s"] for r in rows if r["method"] == SHORT and r["tpot_s"]), None)
     for r in rows:
         r["vs_plain"] = r["tok_s"] / plain
         running = (
             f"{r['most_running']:>9}{r['mean_running']:>7.1f}" if "most_running" in r else f"{'-':>9}{'-':>7}"
         )
+        queued = r.get("mean_running_queued")
+        running += f"{queued:>7.1f}" if queued is not None else f"{'-':>7}"
         usage = f"{r['mean_kv_usage']:>8.2f}" if "mean_kv_usage" in r else f"{'-':>8}"
         ttft = f"{r['ttft_s']:>8.2f}" if r["ttft_s"] is not None else f"{'-':>8}"
         tpot = f"{1000 * r['tpot_s']:>9.1f}" if r["tpot_s"] is not None else f"{'-':>9}"

@@ -26,17 +26,22 @@ CASES = [
     (torch.float32, 32, 64, "vec", "fp8"),
     (torch.bfloat16, 32, 64, "vec", "fp8_e4m3"),
     (torch.float32, 64, 64, "vec", "fp8_e5m2"),
+    (torch.bfloat16, 128, 64, "amx", "auto"),  # what the default model runs with on an AMX CPU
+    (torch.bfloat16, 32, 64, "amx", "fp8"),
 ]
 SCALES = (0.5, 2.0)  # the layer's k_scale, v_scale: an fp8 read multiplies by them
 
 
 FP8_HERE = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+AMX_HERE = torch.cpu._is_amx_tile_supported()
 
 
 @pytest.mark.parametrize(("dtype", "block_size", "head_dim", "isa", "kv_dtype"), CASES, ids=str)
 def test_read_returns_what_the_engine_wrote_and_move_is_exact(dtype, block_size, head_dim, isa, kv_dtype):
     if kv_dtype != "auto" and not FP8_HERE:
         pytest.skip("vLLM's CPU backend stores fp8 only on x86 with AVX-512 or AMX")
+    if isa == "amx" and not AMX_HERE:
+        pytest.skip("this CPU has no AMX tiles")
     gen = torch.Generator().manual_seed(0)
     heads, n_blocks, length = 3, 7, 3 * block_size - 5
     stored = dtype if kv_dtype == "auto" else torch.uint8
@@ -80,6 +85,22 @@ def test_read_returns_what_the_engine_wrote_and_move_is_exact(dtype, block_size,
     untouched = torch.ones(n_blocks, dtype=torch.bool)
     untouched[blocks.long()] = False
     assert torch.equal(cache[untouched], before[untouched])  # other requests' blocks
+
+    # A move after the slots a step keeps in place (a protected prompt): those are not written.
+    first, moved = 3, cache.clone()
+    n_kept, n_later = kept.shape[1], (kept.shape[1] - first) // 2
+    later = torch.stack([  # each head's own slots >= first, ascending
+        first + torch.randperm(n_kept - first, generator=gen)[:n_later].sort().values for _ in range(heads)
+    ])  # fmt: skip
+    layout.move(cache, blocks, later, first)
+    again_k, again_v = layout.read(cache, blocks, first + later.shape[1], scales=scales)
+    kept_k, kept_v = layout.read(moved, blocks, kept.shape[1], scales=scales)
+    assert torch.equal(again_k[..., :first, :], kept_k[..., :first, :])
+    assert torch.equal(again_v[..., :first, :], kept_v[..., :first, :])
+    for h in range(heads):
+        assert torch.equal(again_k[0, h, first:], kept_k[0, h, later[h]])
+        assert torch.equal(again_v[0, h, first:], kept_v[0, h, later[h]])
+    assert torch.equal(cache[untouched], before[untouched])
 
 
 def test_the_fast_paths_are_the_orders_this_cpu_uses():

@@ -73,6 +73,11 @@ class TileLayout:
                 )
             found.append(source.argsort())  # tile position of logical element t * D + d
         self.key_order, self.value_order = found
+        # [2, block size, head dim]: where token t's channels lie in a (block, head) tile's keys
+        # (0) and values (1), counted from the tile's first key element: a move's offsets.
+        self.token_offsets = torch.stack(
+            [found[0].view(block_size, head_dim), found[1].view(block_size, head_dim) + n]
+        )
         # The common tile orders read as a strided view instead of a gather over every element.
         self.key_view, self.value_view = (self._view_kind(order) for order in found)
 
@@ -158,15 +163,21 @@ class TileLayout:
     def move(self, kv_cache: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor, first: int = 0) -> None:
         """Compaction: each head's kept `slots` [H, K] (ascending) into the request's slots
         `first` .. `first` + K - 1, keys and values, as stored (raw elements: exact for every
-        cache dtype). Nothing before `first` is written."""
+        cache dtype). Nothing before `first` is written.
+
+        One gather and one scatter over the layer's cache as a flat run of raw elements, each
+        element's offset taken from per-token tables: half the time of indexing the
+        [blocks, heads, tile] view over three broadcast axes (docs/performance.md)."""
         heads, k = slots.shape
         bs, d = self.block_size, self.head_dim
+        if kv_cache.stride()[2:] != (2 * d, 1):  # a (block, head) tile must be one run
+            raise ValueError("reasonkv moves K/V within caches whose (block, head) tiles are contiguous")
+        raw = kv_cache.view(RAW_BY_ITEMSIZE[kv_cache.element_size()])
+        flat = raw.as_strided((raw.untyped_storage().nbytes() // raw.element_size(),), (1,), 0)
+        blocks = raw.storage_offset() + blocks.long() * raw.stride(0)
+        head = torch.arange(heads, device=slots.device)[:, None] * raw.stride(1)  # [H, 1]
         j = torch.arange(first, first + k, device=slots.device)
-        channel = torch.arange(d, device=slots.device)
-        head = torch.arange(heads, device=slots.device)[:, None, None]
-        for half, order in zip(split_cache(kv_cache), (self.key_order, self.value_order), strict=True):
-            raw = half.view(RAW_BY_ITEMSIZE[half.element_size()])
-            raw = raw.view(raw.shape[0], raw.shape[1], -1)  # [blocks, H, bs * D]: a view or an error
-            src = (blocks[slots // bs].long()[..., None], order[((slots % bs) * d)[..., None] + channel])
-            dst = (blocks[j // bs].long()[None, :, None], order[((j % bs) * d)[:, None] + channel][None])
-            raw[dst[0], head, dst[1]] = raw[src[0], head, src[1]]  # read in full, then written
+        offsets = self.token_offsets.to(slots.device)
+        src = (blocks[slots // bs] + head)[None, ..., None] + offsets[:, slots % bs]  # [2, H, K, D]
+        dst = (blocks[j // bs] + head)[None, ..., None] + offsets[:, j % bs][:, None]
+        flat[dst.reshape(-1)] = flat[src.reshape(-1)]  # read in full, then written
