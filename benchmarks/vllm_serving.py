@@ -161,7 +161,7 @@ def summarise(method: str, result: dict, trace: Path) -> dict:
     if steps:
         row["most_running"] = max(s["running"] for s in steps)
         row["mean_running"] = statistics.fmean(s["running"] for s in steps)
-        queued = [s["running"] for s in steps if s["waiting"]]  # the start and the tail left out
+        queued = [s["running"] for s in steps if s["waiting"]]  # the tail, where none waits, left out
         row["mean_running_queued"] = statistics.fmean(queued) if queued else None
         row["mean_kv_usage"] = statistics.fmean(s["usage"] for s in steps)
     return row
@@ -212,6 +212,10 @@ def main() -> None:
         + args.block_size,
     }  # fmt: skip
     order = [PLAIN, *args.methods.split(","), *([PLAIN] if args.plain_last else [])]
+    for name in order:  # before any engine starts
+        method, _, own = split_run(name)
+        if own and method in (PLAIN, SHORT):
+            raise SystemExit(f"vllm_serving: run {name!r} has knobs, but {method!r} compresses nothing")
     settings = {k: v for k, v in base.items() if k != "prompts"}
     command = " ".join([Path(sys.executable).name, *sys.argv])
     rows = resumed(args.out, settings, order)
@@ -232,7 +236,7 @@ def main() -> None:
                 save(args.out, command, settings, order, rows)
     plain = statistics.fmean(r["tok_s"] for r in rows if r["method"] == PLAIN)
 
-    print(f"\n{'method':<16}{'tok/s':>8}{'x plain':>9}{'running':>9}{'mean':>7}{'queued':>7}{'preempt':>9}"
+    print(f"\n{'method':<24}{'tok/s':>8}{'x plain':>9}{'running':>9}{'mean':>7}{'queued':>7}{'preempt':>9}"
           f"{'KV use':>8}{'TTFT s':>8}{'TPOT ms':>9}{'x short':>8}{'hit %':>7}")  # fmt: skip
     short = next((r["tpot_s"] for r in rows if r["method"] == SHORT and r["tpot_s"]), None)
     for r in rows:
@@ -250,7 +254,7 @@ def main() -> None:
             r["tpot_vs_short"] = r["tpot_s"] / short
         vs_short = f"{r['tpot_vs_short']:>8.2f}" if "tpot_vs_short" in r else f"{'-':>8}"
         print(
-            f"{r['method']:<16}{r['tok_s']:>8.1f}{r['vs_plain']:>9.2f}{running}{r['preemptions']:>9}{usage}{ttft}"
+            f"{r['method']:<24}{r['tok_s']:>8.1f}{r['vs_plain']:>9.2f}{running}{r['preemptions']:>9}{usage}{ttft}"
             f"{tpot}{vs_short}{hits}"
         )
     if args.out:

@@ -31,6 +31,7 @@ def config(
     cache_dtype="auto",
     speculative=None,
     kv_transfer=None,
+    offloading=None,
     max_len=1024,
     eager=True,
     async_scheduling=False,
@@ -43,7 +44,9 @@ def config(
     return SimpleNamespace(
         additional_config={"reasonkv": settings},
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-        cache_config=SimpleNamespace(cache_dtype=cache_dtype, enable_prefix_caching=True),
+        cache_config=SimpleNamespace(
+            cache_dtype=cache_dtype, enable_prefix_caching=True, kv_offloading_size=offloading
+        ),
         speculative_config=speculative,
         kv_transfer_config=kv_transfer,
         scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
@@ -64,6 +67,7 @@ def keep_excepthook(monkeypatch):
         ({"cache_dtype": "fp8_inc"}, "not 'fp8_inc'"),
         ({"speculative": object()}, "does not run with speculative decoding"),
         ({"kv_transfer": object()}, "does not run with a KV connector"),
+        ({"offloading": 4.0}, "does not run with KV offloading (kv_offloading_size)"),
         ({"eager": False}, "runs the model eagerly: set enforce_eager=True"),
         ({"async_scheduling": True}, "does not run with async scheduling"),
         ({"sliding_window": 512}, "sliding-window layers"),

@@ -45,7 +45,12 @@ def test_read_returns_what_the_engine_wrote_and_move_is_exact(dtype, block_size,
     gen = torch.Generator().manual_seed(0)
     heads, n_blocks, length = 3, 7, 3 * block_size - 5
     stored = dtype if kv_dtype == "auto" else torch.uint8
-    cache = torch.zeros(n_blocks, heads, block_size, 2 * head_dim, dtype=stored)
+    # As vLLM holds it: a view into one buffer shared by every layer, past the layers before.
+    shape = (n_blocks, heads, block_size, 2 * head_dim)
+    size = shape[0] * shape[1] * shape[2] * shape[3]
+    buffer = torch.zeros(3 * size, dtype=stored)
+    cache = buffer[size : 2 * size].view(shape)
+    assert cache.storage_offset() == size
     blocks = torch.tensor([5, 1, 3], dtype=torch.int32)  # out of order, as a pool hands them out
     scales = (1.0, 1.0) if kv_dtype == "auto" else SCALES
     keys = torch.randn(length, heads, head_dim, generator=gen)
@@ -85,9 +90,10 @@ def test_read_returns_what_the_engine_wrote_and_move_is_exact(dtype, block_size,
     untouched = torch.ones(n_blocks, dtype=torch.bool)
     untouched[blocks.long()] = False
     assert torch.equal(cache[untouched], before[untouched])  # other requests' blocks
+    assert not buffer[:size].any() and not buffer[2 * size :].any()  # the other layers: never written
 
     # A move after the slots a step keeps in place (a protected prompt): those are not written.
-    first, moved = 3, cache.clone()
+    first, moved = block_size - 3, cache.clone()  # the moved slots cross a block boundary
     n_kept, n_later = kept.shape[1], (kept.shape[1] - first) // 2
     later = torch.stack([  # each head's own slots >= first, ascending
         first + torch.randperm(n_kept - first, generator=gen)[:n_later].sort().values for _ in range(heads)
@@ -101,6 +107,7 @@ def test_read_returns_what_the_engine_wrote_and_move_is_exact(dtype, block_size,
         assert torch.equal(again_k[0, h, first:], kept_k[0, h, later[h]])
         assert torch.equal(again_v[0, h, first:], kept_v[0, h, later[h]])
     assert torch.equal(cache[untouched], before[untouched])
+    assert not buffer[:size].any() and not buffer[2 * size :].any()
 
 
 def test_the_fast_paths_are_the_orders_this_cpu_uses():
@@ -108,3 +115,17 @@ def test_the_fast_paths_are_the_orders_this_cpu_uses():
     (Should vLLM change a kernel's order, the gather path still reads it; this says which ran.)"""
     layout = TileLayout(32, 64, torch.float32, "vec")
     assert (layout.key_view, layout.value_view) == ("channels", "tokens")
+
+
+def test_a_cache_whose_tiles_are_not_one_run_is_refused():
+    """Compaction computes each element's offset from the tile layout: a cache laid out any other
+    way (here each tile's elements transposed, or blocks of another size) is an error, never a
+    write to the wrong elements."""
+    layout = TileLayout(32, 64, torch.float32, "vec")
+    slots = torch.arange(4).expand(2, 4)
+    transposed = torch.zeros(3, 2, 128, 32).transpose(2, 3)
+    with pytest.raises(ValueError, match="contiguous elements"):
+        layout.move(transposed, torch.tensor([0], dtype=torch.int32), slots)
+    other_blocks = torch.zeros(3, 2, 16, 128)
+    with pytest.raises(ValueError, match="tiles of 32 x 128"):
+        layout.move(other_blocks, torch.tensor([0], dtype=torch.int32), slots)

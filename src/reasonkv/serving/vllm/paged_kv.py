@@ -170,14 +170,20 @@ class TileLayout:
         [blocks, heads, tile] view over three broadcast axes (docs/performance.md)."""
         heads, k = slots.shape
         bs, d = self.block_size, self.head_dim
-        if kv_cache.stride()[2:] != (2 * d, 1):  # a (block, head) tile must be one run
-            raise ValueError("reasonkv moves K/V within caches whose (block, head) tiles are contiguous")
+        if kv_cache.shape[2:] != (bs, 2 * d) or kv_cache.stride()[2:] != (2 * d, 1):
+            # The offsets assume this layout's tiles, each one run of elements.
+            raise ValueError(
+                f"reasonkv moves K/V in (block, head) tiles of {bs} x {2 * d} contiguous elements, "
+                f"not of shape {tuple(kv_cache.shape[2:])} with strides {kv_cache.stride()[2:]}"
+            )
+        device = kv_cache.device
         raw = kv_cache.view(RAW_BY_ITEMSIZE[kv_cache.element_size()])
         flat = raw.as_strided((raw.untyped_storage().nbytes() // raw.element_size(),), (1,), 0)
-        blocks = raw.storage_offset() + blocks.long() * raw.stride(0)
-        head = torch.arange(heads, device=slots.device)[:, None] * raw.stride(1)  # [H, 1]
-        j = torch.arange(first, first + k, device=slots.device)
-        offsets = self.token_offsets.to(slots.device)
+        blocks = raw.storage_offset() + blocks.to(device, torch.long) * raw.stride(0)
+        slots = slots.to(device)
+        head = torch.arange(heads, device=device)[:, None] * raw.stride(1)  # [H, 1]
+        j = torch.arange(first, first + k, device=device)
+        offsets = self.token_offsets.to(device)
         src = (blocks[slots // bs] + head)[None, ..., None] + offsets[:, slots % bs]  # [2, H, K, D]
         dst = (blocks[j // bs] + head)[None, ..., None] + offsets[:, j % bs][:, None]
         flat[dst.reshape(-1)] = flat[src.reshape(-1)]  # read in full, then written

@@ -147,6 +147,10 @@ def _check_engine(vllm_config) -> None:
         # A connector saves and loads blocks by the tokens their hashes name (and saves each
         # layer before the adapter's step has compacted it).
         raise KnobError("reasonkv in vLLM does not run with a KV connector (kv_transfer_config)")
+    if getattr(cache, "kv_offloading_size", None) is not None:
+        # vLLM makes this a connector only after the platform's check has run (VllmConfig's
+        # _post_init_kv_transfer_config), so the connector rule above would not see it.
+        raise KnobError("reasonkv in vLLM does not run with KV offloading (kv_offloading_size)")
     if not vllm_config.model_config.enforce_eager:
         # Not run: torch.compile of the model around the backend's query copy, or CUDA graphs
         # (a graph replay would skip the copy and hand the step stale queries).
