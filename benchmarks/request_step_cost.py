@@ -20,14 +20,18 @@ model's own work (attention, MLP) is not here: docs/performance.md's serving tab
     .venv-vllm/bin/python benchmarks/request_step_cost.py --requests 1,4,16,64 \
         --methods snapkv,beaconkv,h2o --out request-step-cost.json
 
-A method may carry knobs: `h2o:evict_every=64:fold_every=64`.
+A method may carry knobs: `h2o:evict_every=64:fold_every=64`. `--profile N` prints, for each
+row, the N functions with the most own time in its timed steps (cProfile; the profiler slows
+the step, so read its shares, not its times).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import platform
+import pstats
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -102,8 +106,15 @@ class Engine:
 
 
 def measure(
-    settings: ServingSettings, requests: int, budget: int, warmup: int, steps: int, seed: int
+    settings: ServingSettings,
+    requests: int,
+    budget: int,
+    warmup: int,
+    steps: int,
+    seed: int,
+    profile: cProfile.Profile | None = None,
 ) -> dict:
+    """The timed steps' mean; with `profile`, it records them (and only them)."""
     settings = ServingSettings(settings.method, budget, settings.knobs)
     engine = Engine(settings, requests, budget + warmup + steps + 1, seed)
     engine.step(budget, budget, engine.queries(budget))  # the prompt, held whole
@@ -112,9 +123,13 @@ def measure(
     times = []
     for _ in range(steps):
         queries = engine.queries(1)
+        if profile is not None:
+            profile.enable()
         start = time.perf_counter()
         engine.step(1, budget, queries)
         times.append(time.perf_counter() - start)
+        if profile is not None:
+            profile.disable()
     held = [engine.state.requests[rid].physical_length() for rid in engine.ids]
     ms = 1000 * sum(times) / steps
     return {"ms_per_step": ms, "ms_per_request": ms / requests, "held_after": max(held)}
@@ -136,6 +151,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the rows here as JSON")
+    parser.add_argument(
+        "--profile", type=int, metavar="N", help="print the N functions of most own time in the timed steps"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     counts = [int(x) for x in args.requests.split(",")]
@@ -148,13 +166,16 @@ def main() -> None:
         alone = None
         for n in counts:
             row = {"method": label(settings), "requests": n}
-            row.update(measure(settings, n, args.budget, args.warmup, args.steps, args.seed))
+            profile = cProfile.Profile() if args.profile else None
+            row.update(measure(settings, n, args.budget, args.warmup, args.steps, args.seed, profile))
             alone = row["ms_per_request"] if alone is None and n == 1 else alone
             row["per_request_vs_one"] = None if alone is None else row["ms_per_request"] / alone
             rows.append(row)
             ratio = "" if row["per_request_vs_one"] is None else f"{row['per_request_vs_one']:.2f}x"
             cost = f"{row['ms_per_step']:>10.2f} {row['ms_per_request']:>11.3f}"
             print(f"{row['method']:<36} {n:>8} {cost} {ratio:>13}", flush=True)
+            if profile is not None:  # timings under the profiler run slower: read the shares
+                pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
     if args.out:
         record = {
             "command": "benchmarks/request_step_cost.py " + " ".join(
