@@ -39,6 +39,7 @@ from types import SimpleNamespace
 import torch
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+from reasonkv.cli.common import CliError, parse_method_entry
 from reasonkv.core.models import ModelShape
 from reasonkv.serving.vllm.settings import ServingSettings
 from reasonkv.serving.vllm.worker_state import StepBatch, WorkerState
@@ -49,14 +50,11 @@ BLOCK = 128
 
 
 def parse_method(text: str) -> ServingSettings:
-    """`name[:knob=value...]` with integer or float values."""
-    name, *pairs = text.split(":")
-    knobs: dict[str, object] = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        if not value:
-            raise SystemExit(f"request_step_cost: knob {pair!r} of {text!r} is not name=value")
-        knobs[key] = float(value) if "." in value else int(value)
+    """`name[:knob=value...]`, read as the CLI reads a method entry."""
+    try:
+        name, knobs = parse_method_entry(text)
+    except CliError as error:
+        raise SystemExit(f"request_step_cost: {error}") from None
     return ServingSettings(name, 0, knobs)
 
 

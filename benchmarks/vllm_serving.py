@@ -108,18 +108,15 @@ def worker(spec: dict) -> dict:
 
 def split_run(name: str) -> tuple[str, str, dict]:
     """A run's method, KV cache dtype and own knobs: "snapkv@fp8" -> ("snapkv", "fp8", {}),
-    "tova:evict_every=64" -> ("tova", "auto", {"evict_every": 64}) (values read as JSON)."""
-    method, _, kv = name.partition("@")
-    method, *pairs = method.split(":")
-    knobs = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"vllm_serving: knob {pair!r} of run {name!r} is not name=value")
-        try:
-            knobs[key] = json.loads(value)
-        except json.JSONDecodeError:
-            knobs[key] = value  # a string choice: beacon_feed=all
+    "tova:evict_every=64" -> ("tova", "auto", {"evict_every": 64}) (read as the CLI reads
+    `method:key=value`)."""
+    from reasonkv.cli.common import CliError, parse_method_entry
+
+    entry, _, kv = name.partition("@")
+    try:
+        method, knobs = parse_method_entry(entry)
+    except CliError as error:
+        raise SystemExit(f"vllm_serving: {error}") from None
     return method, kv or "auto", knobs
 
 

@@ -249,12 +249,11 @@ def _share_kept_prompts(manager, rules: runtime.PrefixRules) -> None:
         sharing = rules.of(request)
         if sharing is None:
             return lookup(request)
-        if sharing.hit == 0:
-            return manager.empty_kv_cache_blocks, 0, 0
-        found = lookup(_CappedRequest(request, sharing.hit + 1))
-        if found[1] > sharing.hit:  # never past the limit (the worker would stop the engine)
-            return manager.empty_kv_cache_blocks, 0, 0
-        return found
+        if sharing.hit:
+            found = lookup(_CappedRequest(request, sharing.hit + 1))
+            if found[1] <= sharing.hit:  # never past the limit (the worker would stop the engine)
+                return found
+        return manager.empty_kv_cache_blocks, 0, 0
 
     def cache_blocks(request, num_computed_tokens: int) -> None:
         sharing = rules.of(request)
