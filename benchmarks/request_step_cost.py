@@ -10,8 +10,10 @@ blocks of 128. Each request starts with a `--budget`-token prompt (held whole), 
 adapter, whose work does not depend on the values but through the scores' order).
 
 Not timed: the runner's own per-request bookkeeping the adapter adds (`hooks._to_physical`, the
-block-table cut after a compaction). All requests advance in lock-step, so they compress in the
-same step: means are comparable, per-step tails are not.
+block-table cut after a compaction). By default all requests advance in lock-step, so they
+compress in the same step (the pool reads and writes them together); with `--stagger N` request
+r's prompt is N·r tokens longer (mod 128), so requests compress at different steps and each
+compression is scored apart from the rest of the pool. Means are comparable, per-step tails are not.
 
 Reported per method and request count: ms per decode step (all requests), ms per request, and
 that per-request cost as a fraction of the one-request cost (the goal: at most 1/3 at 16). The
@@ -47,6 +49,7 @@ from reasonkv.serving.vllm.worker_state import StepBatch, WorkerState
 SHAPE = ModelShape("SmolLM2-135M", "llama", n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64)
 ROPE_THETA = 100000.0
 BLOCK = 128
+STAGGER_SPAN = 128  # one SnapKV interval: staggered prompts spread the compressions over it
 
 
 def parse_method(text: str) -> ServingSettings:
@@ -81,18 +84,18 @@ class Engine:
         self.logical = [0] * requests
         self.gen, self.dtype = gen, dtype
 
-    def queries(self, n_tokens: int) -> list[torch.Tensor]:
-        """Each layer's queries for a forward of `n_tokens` a request (made outside the timing)."""
-        total, shape = n_tokens * len(self.ids), (SHAPE.n_heads, SHAPE.head_dim)
+    def queries(self, n_tokens: list[int]) -> list[torch.Tensor]:
+        """Each layer's queries for a forward of `n_tokens[r]` for request r (made outside the timing)."""
+        total, shape = sum(n_tokens), (SHAPE.n_heads, SHAPE.head_dim)
         return [torch.randn(total, *shape, generator=self.gen).to(self.dtype) for _ in self.caches]
 
-    def step(self, n_tokens: int, prompt_len: int, queries: list[torch.Tensor]) -> None:
-        """One forward of `n_tokens` tokens for every request: hold each layer's queries, then
+    def step(self, n_tokens: list[int], prompt_len: list[int], queries: list[torch.Tensor]) -> None:
+        """One forward of `n_tokens[r]` tokens for request r: hold each layer's queries, then
         the adapter's step after the forward (what `execute_model`'s wrapper calls)."""
         requests = len(self.ids)
-        positions = torch.cat([torch.arange(n, n + n_tokens) for n in self.logical])
+        positions = torch.cat([torch.arange(n, n + q) for n, q in zip(self.logical, n_tokens, strict=True)])
         self.state.begin_step(StepBatch(
-            self.ids, list(self.logical), [n_tokens] * requests, [prompt_len] * requests,
+            self.ids, list(self.logical), list(n_tokens), list(prompt_len),
             [None] * requests, self.blocks, positions,
         ))  # fmt: skip
         for layer_idx, (cache, q) in enumerate(zip(self.caches, queries, strict=True)):
@@ -100,7 +103,7 @@ class Engine:
         self.state.after_forward()
         self.state.end_step()
         self.state.batch = None
-        self.logical = [n + n_tokens for n in self.logical]
+        self.logical = [n + q for n, q in zip(self.logical, n_tokens, strict=True)]
 
 
 def measure(
@@ -111,24 +114,27 @@ def measure(
     steps: int,
     seed: int,
     profile: cProfile.Profile | None = None,
+    stagger: int = 0,
 ) -> dict:
     """The timed steps' mean; with `profile`, it records them (and only them)."""
     settings = ServingSettings(settings.method, budget, settings.knobs)
-    engine = Engine(settings, requests, budget + warmup + steps + 1, seed)
-    engine.step(budget, budget, engine.queries(budget))  # the prompt, held whole
+    prompts = [budget + (stagger * r) % STAGGER_SPAN for r in range(requests)]
+    engine = Engine(settings, requests, max(prompts) + warmup + steps + 1, seed)
+    engine.step(prompts, prompts, engine.queries(prompts))  # the prompts, each held whole
+    ones = [1] * requests
     for _ in range(warmup):
-        engine.step(1, budget, engine.queries(1))
+        engine.step(ones, prompts, engine.queries(ones))
     times = []
     for _ in range(steps):
-        queries = engine.queries(1)
+        queries = engine.queries(ones)
         if profile is not None:
             profile.enable()
         start = time.perf_counter()
-        engine.step(1, budget, queries)
+        engine.step(ones, prompts, queries)
         times.append(time.perf_counter() - start)
         if profile is not None:
             profile.disable()
-    held = [engine.state.requests[rid].physical_length() for rid in engine.ids]
+    held = [engine.state.requests[rid].pool.length(rid) for rid in engine.ids]
     ms = 1000 * sum(times) / steps
     return {"ms_per_step": ms, "ms_per_request": ms / requests, "held_after": max(held)}
 
@@ -148,6 +154,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=128, help="timed decode steps (one SnapKV interval)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--stagger", type=int, default=0, help="request r's prompt is this many tokens x r longer (mod 128)"
+    )
     parser.add_argument("--out", type=Path, help="write the rows here as JSON")
     parser.add_argument(
         "--profile", type=int, metavar="N", help="print the N functions of most own time in the timed steps"
@@ -165,7 +174,9 @@ def main() -> None:
         for n in counts:
             row = {"method": label(settings), "requests": n}
             profile = cProfile.Profile() if args.profile else None
-            row.update(measure(settings, n, args.budget, args.warmup, args.steps, args.seed, profile))
+            row.update(
+                measure(settings, n, args.budget, args.warmup, args.steps, args.seed, profile, args.stagger)
+            )
             alone = row["ms_per_request"] if alone is None and n == 1 else alone
             row["per_request_vs_one"] = None if alone is None else row["ms_per_request"] / alone
             rows.append(row)

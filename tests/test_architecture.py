@@ -184,7 +184,7 @@ def forbidden_third_party(modules: dict[str, Module], prefix: str, banned: str) 
     return sorted(set(bad))
 
 
-ENGINE_NEUTRAL = ("reasonkv.core.step", "reasonkv.serving.paged_request", "reasonkv.serving.prefix_sharing")
+ENGINE_NEUTRAL = ("reasonkv.core.step", "reasonkv.serving.paged_rows", "reasonkv.serving.prefix_sharing")
 """The one decode step, the storage serving engines give it and their prefix-sharing rule: below
 every engine integration, so none may reach transformers, not even through another reasonkv
 module."""
@@ -448,7 +448,7 @@ def test_the_layer_rules_catch_upward_edges_the_facade_and_util_imports() -> Non
         "reasonkv.core.cache": {"reasonkv.core.policy.base": 3, "reasonkv.methods.api": 4},
         "reasonkv.core.policy.base": {"reasonkv.core.policy.rope": 1, "reasonkv.core.models": 2},
         "reasonkv.harness.replay": {"reasonkv": 7},
-        "reasonkv.serving.paged_request": {"reasonkv.harness.replay": 8},
+        "reasonkv.serving.paged_rows": {"reasonkv.harness.replay": 8},
         "reasonkv.util.tables": {"reasonkv.util.formatting": 1},
         "reasonkv.extra": {},
     }
@@ -459,7 +459,7 @@ def test_the_layer_rules_catch_upward_edges_the_facade_and_util_imports() -> Non
         "reasonkv.extra: belongs to no layer (reasonkv.util, reasonkv.core.policy, reasonkv.core, "
         "reasonkv.methods, reasonkv.serving, reasonkv.harness, reasonkv.cli)",
         "reasonkv.harness.replay:7 -> reasonkv (the facade; import the module that defines it)",
-        "reasonkv.serving.paged_request:8 -> reasonkv.harness.replay (serving must not import harness)",
+        "reasonkv.serving.paged_rows:8 -> reasonkv.harness.replay (serving must not import harness)",
     ]
     assert util_violations(graph) == ["reasonkv.util.tables:1 -> reasonkv.util.formatting"]
     policy = {

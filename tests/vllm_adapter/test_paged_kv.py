@@ -36,14 +36,26 @@ FP8_HERE = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported(
 AMX_HERE = torch.cpu._is_amx_tile_supported()
 
 
+def kept_slots(length: int, gen: torch.Generator) -> torch.Tensor:
+    """[3, K]: each head keeps its own half of `length` slots, ascending."""
+    half = (length + 1) // 2
+    return torch.stack([
+        torch.arange(0, length, 2)[:half],  # every other slot
+        torch.randperm(length, generator=gen)[:half].sort().values,  # any slots
+        torch.arange(length - half, length),  # the last ones: a move onto overlapping slots
+    ])  # fmt: skip
+
+
 @pytest.mark.parametrize(("dtype", "block_size", "head_dim", "isa", "kv_dtype"), CASES, ids=str)
 def test_read_returns_what_the_engine_wrote_and_move_is_exact(dtype, block_size, head_dim, isa, kv_dtype):
+    """Two requests of other lengths and blocks, read in one call and compacted in one call."""
     if kv_dtype != "auto" and not FP8_HERE:
         pytest.skip("vLLM's CPU backend stores fp8 only on x86 with AVX-512 or AMX")
     if isa == "amx" and not AMX_HERE:
         pytest.skip("this CPU has no AMX tiles")
     gen = torch.Generator().manual_seed(0)
-    heads, n_blocks, length = 3, 7, 3 * block_size - 5
+    heads, n_blocks = 3, 7
+    lengths = [3 * block_size - 5, 2 * block_size - 7]
     stored = dtype if kv_dtype == "auto" else torch.uint8
     # As vLLM holds it: a view into one buffer shared by every layer, past the layers before.
     shape = (n_blocks, heads, block_size, 2 * head_dim)
@@ -51,61 +63,74 @@ def test_read_returns_what_the_engine_wrote_and_move_is_exact(dtype, block_size,
     buffer = torch.zeros(3 * size, dtype=stored)
     cache = buffer[size : 2 * size].view(shape)
     assert cache.storage_offset() == size
-    blocks = torch.tensor([5, 1, 3], dtype=torch.int32)  # out of order, as a pool hands them out
+    # Out of order, as a pool hands them out; the shorter row padded with its own last block.
+    table = torch.tensor([[5, 1, 3], [0, 6, 6]], dtype=torch.int32)
     scales = (1.0, 1.0) if kv_dtype == "auto" else SCALES
-    keys = torch.randn(length, heads, head_dim, generator=gen)
-    values = torch.randn(length, heads, head_dim, generator=gen)
-    if kv_dtype != "auto":  # values an fp8 cache holds exactly (its kernel's rounding is its own)
-        fmt = FP8_FORMATS[kv_dtype]
-        keys, values = (x.to(fmt).float() * scale for x, scale in zip((keys, values), scales, strict=True))
-    keys, values = keys.to(dtype), values.to(dtype)
-    j = torch.arange(length)
-    slots = blocks[j // block_size].long() * block_size + j % block_size
     key_half, value_half = split_cache(cache)
-    ops.cpu_attn_reshape_and_cache(
-        keys, values, key_half, value_half, slots, isa,
-        k_scale=scales[0], v_scale=scales[1], kv_cache_dtype=kv_dtype,
-    )  # fmt: skip
-    want_k, want_v = keys.transpose(0, 1), values.transpose(0, 1)
+    want = []
+    for row, length in enumerate(lengths):
+        keys = torch.randn(length, heads, head_dim, generator=gen)
+        values = torch.randn(length, heads, head_dim, generator=gen)
+        if kv_dtype != "auto":  # values an fp8 cache holds exactly (its kernel's rounding is its own)
+            fmt = FP8_FORMATS[kv_dtype]
+            keys, values = (x.to(fmt).float() * sc for x, sc in zip((keys, values), scales, strict=True))
+        keys, values = keys.to(dtype), values.to(dtype)
+        j = torch.arange(length)
+        slots = table[row, j // block_size].long() * block_size + j % block_size
+        ops.cpu_attn_reshape_and_cache(
+            keys, values, key_half, value_half, slots, isa,
+            k_scale=scales[0], v_scale=scales[1], kv_cache_dtype=kv_dtype,
+        )  # fmt: skip
+        want.append((keys.transpose(0, 1), values.transpose(0, 1)))
 
     layout = TileLayout(block_size, head_dim, dtype, isa, kv_dtype)
-    read_k, read_v = layout.read(cache, blocks, length, scales=scales)
-    assert read_k.dtype == dtype and torch.equal(read_k[0], want_k) and torch.equal(read_v[0], want_v)
-    only_k, none = layout.read(cache, blocks, length, values=False, scales=scales)
+    read_k, read_v = layout.read(cache, table, max(lengths), scales=scales)
+    assert read_k.dtype == dtype and read_k.shape == (2, heads, max(lengths), head_dim)
+    for row, length in enumerate(lengths):
+        assert torch.equal(read_k[row, :, :length], want[row][0])
+        assert torch.equal(read_v[row, :, :length], want[row][1])
+    only_k, none = layout.read(cache, table, max(lengths), values=False, scales=scales)
     assert none is None and torch.equal(only_k, read_k)
-    assert torch.equal(layout.read_values(cache, blocks, length, scales[1]), read_v)
+    assert torch.equal(layout.read_values(cache, table, max(lengths), scales[1]), read_v)
 
-    # Compaction: each head keeps its own slots, moved to the first ones, bytes unchanged.
-    half = (length + 1) // 2
-    kept = torch.stack([
-        torch.arange(0, length, 2),  # every other slot
-        torch.randperm(length, generator=gen)[:half].sort().values,  # any slots
-        torch.arange(length - half, length),  # the last ones: a move onto overlapping slots
-    ])  # fmt: skip
+    # Compaction: each head of each row keeps its own slots, moved to its first ones, bytes unchanged.
+    kept = [kept_slots(length, gen) for length in lengths]
+    counts = [k.shape[1] for k in kept]
+    slots = torch.stack(
+        [torch.nn.functional.pad(k, (0, max(counts) - k.shape[1]), value=10**6) for k in kept]
+    )
     before = cache.clone()
-    layout.move(cache, blocks, kept)
-    back_k, back_v = layout.read(cache, blocks, kept.shape[1], scales=scales)
-    for h in range(heads):
-        assert torch.equal(back_k[0, h], want_k[h, kept[h]]) and torch.equal(back_v[0, h], want_v[h, kept[h]])
+    by_bytes = cache.clone()
+    layout.move(by_bytes, table, slots, counts)  # what an fp8 cache takes
+    layout.compact(cache, table, slots, counts, (read_k, read_v))  # written back where it can be
+    assert torch.equal(by_bytes, cache)
+    back_k, back_v = layout.read(cache, table, max(counts), scales=scales)
+    for row in range(2):
+        for h in range(heads):
+            picked = kept[row][h]
+            assert torch.equal(back_k[row, h, : counts[row]], want[row][0][h, picked])
+            assert torch.equal(back_v[row, h, : counts[row]], want[row][1][h, picked])
     untouched = torch.ones(n_blocks, dtype=torch.bool)
-    untouched[blocks.long()] = False
-    assert torch.equal(cache[untouched], before[untouched])  # other requests' blocks
+    untouched[table.long().flatten()] = False
+    assert untouched.any() and torch.equal(cache[untouched], before[untouched])  # other requests' blocks
     assert not buffer[:size].any() and not buffer[2 * size :].any()  # the other layers: never written
 
-    # A move after the slots a step keeps in place (a protected prompt): those are not written.
-    first, moved = block_size - 3, cache.clone()  # the moved slots cross a block boundary
-    n_kept, n_later = kept.shape[1], (kept.shape[1] - first) // 2
-    later = torch.stack([  # each head's own slots >= first, ascending
-        first + torch.randperm(n_kept - first, generator=gen)[:n_later].sort().values for _ in range(heads)
-    ])  # fmt: skip
-    layout.move(cache, blocks, later, first)
-    again_k, again_v = layout.read(cache, blocks, first + later.shape[1], scales=scales)
-    kept_k, kept_v = layout.read(moved, blocks, kept.shape[1], scales=scales)
+    # Slots that keep their token (slot k == k: a protected prompt) stay: the first `first` of
+    # row 0 stay, the others move, across a block boundary.
+    first, moved = block_size - 3, cache.clone()
+    n_later = (counts[0] - first) // 2
+    moving = [
+        first + torch.randperm(counts[0] - first, generator=gen)[:n_later].sort().values for _ in range(heads)
+    ]
+    later = torch.stack([torch.cat([torch.arange(first), m]) for m in moving])
+    read = layout.read(cache, table[:1], counts[0], scales=scales)
+    layout.compact(cache, table[:1], later[None], [first + n_later], read)
+    again_k, again_v = layout.read(cache, table[:1], first + n_later, scales=scales)
+    kept_k, kept_v = layout.read(moved, table[:1], counts[0], scales=scales)
     assert torch.equal(again_k[..., :first, :], kept_k[..., :first, :])
-    assert torch.equal(again_v[..., :first, :], kept_v[..., :first, :])
     for h in range(heads):
-        assert torch.equal(again_k[0, h, first:], kept_k[0, h, later[h]])
-        assert torch.equal(again_v[0, h, first:], kept_v[0, h, later[h]])
+        assert torch.equal(again_k[0, h, first:], kept_k[0, h, later[h, first:]])
+        assert torch.equal(again_v[0, h, first:], kept_v[0, h, later[h, first:]])
     assert torch.equal(cache[untouched], before[untouched])
     assert not buffer[:size].any() and not buffer[2 * size :].any()
 
@@ -122,10 +147,10 @@ def test_a_cache_whose_tiles_are_not_one_run_is_refused():
     way (here each tile's elements transposed, or blocks of another size) is an error, never a
     write to the wrong elements."""
     layout = TileLayout(32, 64, torch.float32, "vec")
-    slots = torch.arange(4).expand(2, 4)
+    slots = torch.arange(4).expand(1, 2, 4)
     transposed = torch.zeros(3, 2, 128, 32).transpose(2, 3)
     with pytest.raises(ValueError, match="contiguous elements"):
-        layout.move(transposed, torch.tensor([0], dtype=torch.int32), slots)
+        layout.move(transposed, torch.tensor([[0]], dtype=torch.int32), slots, [4])
     other_blocks = torch.zeros(3, 2, 16, 128)
     with pytest.raises(ValueError, match="tiles of 32 x 128"):
-        layout.move(other_blocks, torch.tensor([0], dtype=torch.int32), slots)
+        layout.move(other_blocks, torch.tensor([[0]], dtype=torch.int32), slots, [4])

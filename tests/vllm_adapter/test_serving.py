@@ -137,7 +137,7 @@ CHUNKED = [
 ]
 """Every schedule that counts from the prompt's end (SnapKV with phase="decode", RPC's prompt
 length) is here: before the step took the prompt's end from the engine, both counted from the
-first chunk's end. All methods, chunked, against one prefill: tests/serving/test_paged_request.py."""
+first chunk's end. All methods, chunked, against one prefill: tests/serving/test_paged_rows.py."""
 
 FIRST_COMPRESSION = {"snapkv": 0, "snapkv-decode": 32, "rpc": 48}
 """Tokens past the prompt's end at a request's first compression: SnapKV compresses the prompt

@@ -69,19 +69,28 @@ class QueryWindow:
     def label(
         self,
         query: torch.Tensor,
-        first_index: int,
+        first_index: int | torch.Tensor,
         new_valid: torch.Tensor | None,
         positions: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence indices [B, q] (-1 for padding) and RoPE positions [B, q] of a forward's
-        queries (positions = indices when the model passes no position_ids)."""
+        queries (positions = indices when the model passes no position_ids). `first_index`: the
+        first query's index, one for every row or [B] (rows at different positions)."""
         b, q = query.shape[0], query.shape[2]
-        index = torch.arange(first_index, first_index + q, device=query.device).expand(b, q)
+        steps = torch.arange(q, device=query.device)
+        if isinstance(first_index, torch.Tensor):
+            index = first_index.to(query.device)[:, None] + steps
+        else:
+            index = (first_index + steps).expand(b, q)
         if new_valid is not None:
             index = index.masked_fill(~new_valid, -1)
         positions = index if positions is None else positions.expand(b, -1).to(index.dtype)
         if self.prompt_end is None:
-            self.prompt_end = torch.full((b,), first_index + q, dtype=torch.long, device=query.device)
+            self.prompt_end = (
+                (index[:, -1] + 1)
+                if isinstance(first_index, torch.Tensor)
+                else torch.full((b,), first_index + q, dtype=torch.long, device=query.device)
+            )
         return index, positions
 
     def keep(self, query: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, size: int) -> None:
@@ -108,7 +117,12 @@ class QueryWindow:
         self._positions = torch.cat([self._positions[:, drop:], positions], dim=1)
 
     def wait(
-        self, query: torch.Tensor, first_index: int, positions: torch.Tensor | None, size: int, limit: int
+        self,
+        query: torch.Tensor,
+        first_index: int | torch.Tensor,
+        positions: torch.Tensor | None,
+        size: int,
+        limit: int,
     ) -> None:
         """Set a forward's queries aside, to join as `label` + `keep(size)` would: when `limit`
         wait, when the forward has more than one query (a prompt chunk), or when read."""
@@ -150,12 +164,50 @@ class QueryWindow:
             return self.queries, self.query_index, self.query_positions
         return self.span(self.size - n, self.size)
 
+    ROW_TENSORS = ("_held", "_scale", "_index", "_positions", "prompt_end")
+
     def select_rows(self, rows: torch.Tensor) -> None:
         self._join()
-        for name in ("_held", "_scale", "_index", "_positions", "prompt_end"):
+        for name in self.ROW_TENSORS:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, rows.to(t.device)))
+
+    def rows_copy(self, rows: torch.Tensor) -> QueryWindow:
+        """A window of rows `rows` [R'] only (copies): this one is unchanged."""
+        self._join()
+        out = QueryWindow(self.bits)
+        out._dtype = self._dtype
+        for name in self.ROW_TENSORS:
+            t = getattr(self, name)
+            setattr(out, name, None if t is None else t.index_select(0, rows.to(t.device)))
+        return out
+
+    def join_rows(self, other: QueryWindow) -> None:
+        """Append `other`'s rows after these; the shorter window is padded at its oldest end
+        with queries of index -1 (what a left-padded batch holds: never read as queries)."""
+        self._join()
+        other._join()
+        if self._held is None or other._held is None:
+            if self._held is not None or other._held is not None:
+                raise ValueError("a query window that has kept queries joins only another that has")
+            self.prompt_end = torch.cat([self.prompt_end, other.prompt_end])
+            return
+        width = max(self._held.shape[2], other._held.shape[2])
+
+        def padded(t: torch.Tensor, dim: int, fill: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_full(shape, fill), t], dim=dim)
+
+        for name, dim, fill in (("_held", 2, 0), ("_scale", 2, 1), ("_index", 1, -1), ("_positions", 1, -1)):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is not None:
+                setattr(self, name, torch.cat([padded(mine, dim, fill), padded(theirs, dim, fill)]))
+        self.prompt_end = torch.cat([self.prompt_end, other.prompt_end])
 
     def tensors(self) -> list[torch.Tensor]:
         return self.query_tensors() + ([] if self.prompt_end is None else [self.prompt_end])

@@ -1,16 +1,20 @@
 """One layer's decode step, written once for every engine.
 
 `LayerStep` runs the policy hooks of one layer after its attention, in one order, over rows
-`[R, H, T]` (transformers: the batch rows; vLLM: one request): label this forward's queries →
-the scorer's and head allocator's `on_step` → the query window keeps its newest queries →
-`rows_to_compress` → `score` → the schedule's `keep` (split between heads by a head allocator)
-→ protection and the one token selection (`select_tokens`, or `evict_one` where a storage can
-drop one slot per head in place). It is also the `LayerView` the policies read.
+`[R, H, T]` (transformers: the batch rows; vLLM: the requests of one pool, at different
+positions): label this forward's queries → the scorer's and head allocator's `on_step` → the
+query window keeps its newest queries → `rows_to_compress` → `score` → the schedule's `keep`
+(split between heads by a head allocator) → protection and the one token selection
+(`select_tokens`, or `evict_one` where a storage can drop one slot per head in place). It is
+also the `LayerView` the policies read.
 
 The tokens themselves live in a `StepStorage`, the one thing an engine writes: which token
 each slot holds, the per-token scorer state, reading K/V and applying a kept selection.
 transformers' `CompressedLayer` is one (over `KVStorage` / `QuantizedKVStorage` / `LowTier`);
-a request's slots in vLLM's paged cache are the other (`serving/paged_request.py`).
+requests' slots in vLLM's paged cache are the other (`serving/paged_rows.py`), a `RowsStorage`:
+its rows come and go (`join_rows`, `select_rows`), and the rows that compress in a step are
+scored apart from the others (`rows_copy`), so a step where one request of many compresses
+reads and scores that one.
 
 The prompt's end is the engine's to say (`prompt_end`): a prompt fed in chunks is observed
 chunk by chunk, and the schedule's state (its count of tokens from the prompt's end, RPC's
@@ -22,6 +26,7 @@ Pure torch: nothing here imports transformers or an engine.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -71,6 +76,29 @@ class PolicyStates:
             if state is not None:
                 state.select_rows(rows)
 
+    def join_rows(self, other: PolicyStates) -> None:
+        for name in ("scorer", "schedule", "head_allocator"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if (mine is None) != (theirs is None):
+                raise ValueError(f"a {name} state joins only another {name} state")
+            if mine is not None:
+                mine.join_rows(theirs)
+
+    def rows_copy(
+        self, rows: torch.Tensor, old_window: QueryWindow, window: QueryWindow, layer_states: list
+    ) -> PolicyStates:
+        """The states of rows `rows` only (copies, pointed at the copy's `window` and its list
+        of every layer's scorer states)."""
+        out = PolicyStates()
+        for name in ("scorer", "schedule", "head_allocator"):
+            state = getattr(self, name)
+            if state is not None:
+                state = copy.copy(state)
+                state.rebind(old_window, window, layer_states)
+                state.select_rows(rows)
+                setattr(out, name, state)
+        return out
+
     def tensors(self) -> list[torch.Tensor]:
         out = []
         for state in (self.scorer, self.schedule, self.head_allocator):
@@ -110,6 +138,15 @@ class StepStorage(Protocol):
 
     def keep_slots(self, slots: torch.Tensor, new_len: torch.Tensor, scores: torch.Tensor) -> None:
         """Keep slots [R, H, K] (ascending, padded with T), `new_len` [R, H] of them a head."""
+
+
+class RowsStorage(StepStorage, Protocol):
+    """A storage whose rows come and go (a serving engine's requests): the step then scores only
+    the rows that compress, apart from the others, and puts them back."""
+
+    def rows_copy(self, rows: torch.Tensor) -> RowsStorage: ...  # rows [R'] only, sharing the K/V
+    def select_rows(self, rows: torch.Tensor) -> None: ...
+    def join_rows(self, other: RowsStorage) -> None: ...
 
 
 def window_keep(policy: LayerPolicy) -> int:
@@ -157,6 +194,7 @@ class LayerStep:
         self.prompt_end = prompt_end
         self.seen = 0  # logical tokens seen, padding included
         self.new_start = 0  # sequence index of this forward's first token
+        self.first_index: torch.Tensor | None = None  # [R] the same, rows at different positions
         self.n_query_heads = 0
         self._observers_ready = False  # scorer and head allocator states made (first forward)
         self._schedule_ready = False  # schedule state made (the prompt is complete)
@@ -170,6 +208,11 @@ class LayerStep:
         )
         self.query_wait = 0 if self.observes_steps or self.allocator_observes else query_wait
         scorer_states[layer_idx] = None
+
+    @property
+    def past_prompt(self) -> bool:
+        """Whether the prompt is complete (the schedule's state is made): rows may join."""
+        return self._schedule_ready
 
     # ------------------------------------------------------------ LayerView
     @property
@@ -207,9 +250,12 @@ class LayerStep:
         )
 
     # ------------------------------------------------------------ the step
-    def advance(self, q: int) -> int:
-        """Count a forward of q new tokens (stored by the engine); returns the first one's index."""
+    def advance(self, q: int, first_index: torch.Tensor | None = None) -> int:
+        """Count a forward of q new tokens a row (stored by the engine); returns the first one's
+        index. Rows at different positions (a serving engine's pool of requests) give each
+        row's first index [R]: `seen` then counts the forwards' tokens, the same for every row."""
         self.new_start, self.seen = self.seen, self.seen + q
+        self.first_index = first_index
         return self.new_start
 
     def after_attention(
@@ -222,7 +268,8 @@ class LayerStep:
         """This forward's queries [R, Hq, q, D] (post-RoPE, attended already), their RoPE
         positions ([R or 1, q]; None: their sequence indices) and padding (`new_valid` [R, q],
         False: padding). Returns the rows that compressed, or None."""
-        policy, storage, first = self.policy, self.storage, self.new_start
+        policy, storage = self.policy, self.storage
+        first = self.new_start if self.first_index is None else self.first_index
         if not self._observers_ready:
             self._new_observer_states(query)
         keys = None
@@ -249,10 +296,17 @@ class LayerStep:
                 return None
             self.states.schedule = policy.schedule.new_state(self)
             self._schedule_ready = True
-        schedule = policy.schedule
-        rows = schedule.rows_to_compress(self, self.states.schedule)
+        rows = policy.schedule.rows_to_compress(self, self.states.schedule)
         if rows is None:
             return None
+        if hasattr(storage, "rows_copy") and rows.shape[0] > 1 and not bool(rows.all()):
+            return self._compress_apart(rows, scaling, keys)
+        self._compress(rows, scaling, keys)
+        return rows
+
+    def _compress(self, rows: torch.Tensor, scaling: float, keys: torch.Tensor | None) -> None:
+        """Score, split and select the rows `rows` [R] compress (the others keep everything)."""
+        policy, storage, schedule = self.policy, self.storage, self.policy.schedule
         keys = storage.read_keys() if keys is None else keys
         obs = self.observation(*self.window.last(self.window_size), scaling)
         values = storage.read_values()
@@ -268,6 +322,27 @@ class LayerStep:
         keep = torch.where(rows[:, None], keep, storage.n_valid)
         with self.timer.section("compress"):
             self.select(keep, scores)
+
+    def _compress_apart(self, rows: torch.Tensor, scaling: float, keys: torch.Tensor | None) -> torch.Tensor:
+        """Compress rows `rows` [R] of a storage whose rows come and go (`RowsStorage`) apart
+        from the others: they are copied out, compressed, and put back in their place. The
+        others are neither read nor scored (a pool of requests where a few compress a step)."""
+        storage: RowsStorage = self.storage
+        policy = self.policy
+        chosen, others = rows.nonzero().squeeze(1), (~rows).nonzero().squeeze(1)
+        policy.scorer.settle(self.states.scorer, policy.rope_inv_freq, policy.rope_attention_scaling)
+        part = storage.rows_copy(chosen)
+        step = self.rows_copy(chosen, part)
+        if keys is not None:  # read for on_step: these rows', as wide as their longest
+            keys = keys[chosen, :, : part.token_index.shape[-1]]
+        step._compress(torch.ones_like(chosen, dtype=torch.bool), scaling, keys)
+        self.select_rows(others)
+        storage.select_rows(others)
+        self.join_rows(step)
+        storage.join_rows(part)
+        order = torch.cat([others, chosen]).argsort()
+        self.select_rows(order)
+        storage.select_rows(order)
         return rows
 
     def _new_observer_states(self, query: torch.Tensor) -> None:
@@ -309,9 +384,48 @@ class LayerStep:
         return self.policy.schedule.slack(self, self.states.schedule)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep rows `rows` [R'] of the window and the policies' states (beam search)."""
+        """Keep rows `rows` [R'] of the window and the policies' states (beam search; a request
+        leaving a serving engine's pool)."""
         self.window.select_rows(rows)
         self.states.select_rows(rows)
+        if self.first_index is not None:
+            self.first_index = self.first_index.index_select(0, rows.to(self.first_index.device))
+
+    def join_rows(self, other: LayerStep) -> None:
+        """Append `other`'s rows (its window and policy states) after this step's: a request
+        whose prompt is complete joins a serving engine's pool of requests at other positions.
+        Both steps are past their prompts and run the same policy; queued queries are taken in
+        first (`Scorer.settle`). The storages join apart (the engine owns them)."""
+        policy = self.policy
+        if other.policy is not policy:
+            raise ValueError("rows join only a step of the same policy")
+        if not (self._schedule_ready and other._schedule_ready):
+            raise ValueError("rows join once both steps are past their prompts")
+        if not (policy.scorer.joins_rows() and policy.schedule.joins_rows()):
+            raise ValueError(f"{policy.scorer.describe()} / {policy.schedule.describe()}: rows cannot join")
+        for step in (self, other):
+            policy.scorer.settle(step.states.scorer, policy.rope_inv_freq, policy.rope_attention_scaling)
+        self.window.join_rows(other.window)
+        self.states.join_rows(other.states)
+        if self.first_index is not None or other.first_index is not None:
+            self.first_index = None  # set by the next `advance`
+
+    def rows_copy(
+        self, rows: torch.Tensor, storage: StepStorage, scorer_states: list | None = None
+    ) -> LayerStep:
+        """A step of rows `rows` [R'] only over `storage` (copies of the window and states;
+        this step is unchanged). With `scorer_states` (a list of every layer's), the copy's
+        scorer state takes its place there: the rows leave for a pool of their own."""
+        out = copy.copy(self)
+        out._storage = weakref.ref(storage)
+        out.window = self.window.rows_copy(rows)
+        out.scorer_states = self.scorer_states if scorer_states is None else scorer_states
+        out.states = self.states.rows_copy(rows, self.window, out.window, out.scorer_states)
+        if scorer_states is not None:
+            scorer_states[self.layer_idx] = out.states.scorer
+        if self.first_index is not None:
+            out.first_index = self.first_index.index_select(0, rows.to(self.first_index.device))
+        return out
 
     def tensors(self) -> list[torch.Tensor]:
         """What the step holds: the query window, budgets and targets, the policies' states."""

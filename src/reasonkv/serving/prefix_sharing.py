@@ -14,7 +14,7 @@ tokens its name says. Two rules keep sharing safe and the outputs unchanged:
   after the hit (the hit ends at least `window_keep` tokens before the prompt's end), and the
   scorer's state must keep nothing of older prompt queries (`keeps_old_prompt_queries`).
   The step then starts as if the first chunk of the prompt had been fed without its queries
-  (`PagedRequestStorage.extend` and `LayerStep.advance` by the shared tokens).
+  (`PagedRowsStorage.add_row(request, held)` and `LayerStep.advance` by the shared tokens).
 
 A head allocator that keeps what it saw (ReasonAlloc's running entropy) takes no hit either.
 Requests that are not compressed follow the engine's own rules. Imports no engine.

@@ -33,6 +33,28 @@ class PolicyState:
             if isinstance(value, torch.Tensor):
                 setattr(self, name, value.index_select(0, rows.to(value.device)))
 
+    def rebind(self, old_window: QueryWindowView, window: QueryWindowView, layer_states: list) -> None:
+        """Point this state (a copy of some rows of another's) at its own layer's query window
+        (where it held `old_window`) and its own list of every layer's scorer states."""
+        for name, value in vars(self).items():
+            if value is old_window:
+                setattr(self, name, window)
+
+    def join_rows(self, other: PolicyState) -> None:
+        """Append `other`'s rows after this state's (a serving engine's pool of requests: a
+        request joins the pool when its prompt is complete). The row fields are concatenated;
+        every other field must agree, as it is one value for all rows (a subclass whose
+        counters can be reconciled says how, or settles them first: `Scorer.settle`)."""
+        for name, mine in vars(self).items():
+            theirs = getattr(other, name)
+            if name in self.ROW_FIELDS:
+                if isinstance(mine, torch.Tensor):
+                    setattr(self, name, torch.cat([mine, theirs.to(mine.device)]))
+            elif isinstance(mine, torch.Tensor):
+                raise TypeError(f"{type(self).__name__}.{name}: a tensor that is not a row field")
+            elif isinstance(mine, (int, float, str)) and mine != theirs:
+                raise ValueError(f"{type(self).__name__}: rows with {name} = {mine} and {theirs} cannot join")
+
 
 @dataclass(frozen=True)
 class BudgetPlan:
@@ -150,6 +172,19 @@ class Scorer(Declared):
         forward (`on_step`) may; one that reads only its window does not. A scorer whose
         observations cannot matter after a shared prefix says so by overriding this."""
         return type(self).on_step is not Scorer.on_step
+
+    def joins_rows(self) -> bool:
+        """Whether one state of this scorer may hold rows at different positions, joined and
+        split as a serving engine's requests come and go (`PolicyState.join_rows`). False where
+        a counter shared by the rows cannot be settled without the keys (H2O's waiting sums)."""
+        return True
+
+    def settle(
+        self, state: PolicyState | None, rope_inv_freq: torch.Tensor | None, attention_scaling: float
+    ) -> None:
+        """Take in whatever `state` holds back for later (queued queries), so that its rows can
+        join or leave another state's (`PolicyState.join_rows`) and be scored apart. Default:
+        nothing is held back."""
 
     def on_step(self, step: Observation, keys: torch.Tensor | None) -> None:
         """See every query of this forward ([B, Hq, q, D] in `step`) over the stored keys [B, H, T, D]

@@ -99,6 +99,11 @@ class Schedule(Declared):
         plan = view.plan
         return None if plan.triggers is None else max(1, plan.trigger_max - min(plan.targets))
 
+    def joins_rows(self) -> bool:
+        """Whether one state may hold rows at different positions (`PolicyState.join_rows`):
+        false where the schedule counts one number for every row (a count from the prompt's end)."""
+        return True
+
     def steps_until_compress(self, view: LayerView, state: PolicyState | None) -> int | None:
         """The most tokens the layer can take in one forward without passing a compression
         point (None = never): each token adds one per head, so ceil((trigger_total - live) / H)
@@ -184,6 +189,9 @@ class FixedBuffer(Schedule):
     def from_prompt_end(self) -> bool:
         return self.phase == "decode"
 
+    def joins_rows(self) -> bool:
+        return self.phase == "budget"  # "decode": one count from the prompt's end for every row
+
     def new_state(self, view: LayerView) -> DecodeCountState | None:
         # Made at the layer's first forward (the prompt), once `seen` is the prompt's end.
         return DecodeCountState(view.seen + self.interval) if self.phase == "decode" else None
@@ -244,7 +252,17 @@ class PeriodicState(PolicyState):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         super().select_rows(rows)
-        self.min_done = int(self.done.min())  # gen_upper, a max over rows, stays an upper bound
+        # gen_upper, a max over rows, stays an upper bound
+        self.min_done = int(self.done.min()) if self.done.numel() else 0
+
+    def join_rows(self, other: PeriodicState) -> None:
+        """The host bounds hold for both: the largest generated count, the fewest compressions."""
+        if (self.period, self.per_period) != (other.period, other.per_period):
+            raise ValueError("periodic schedule: rows of another period cannot join")
+        self.prompt, self.done = torch.cat([self.prompt, other.prompt]), torch.cat([self.done, other.done])
+        self.rows = None  # set again at the next check
+        self.gen_upper = max(self.gen_upper, other.gen_upper)
+        self.min_done = min(self.min_done, other.min_done)
 
 
 @dataclass(frozen=True)

@@ -119,56 +119,113 @@ class TileLayout:
     def read(
         self,
         kv_cache: torch.Tensor,
-        blocks: torch.Tensor,
+        table: torch.Tensor,
         length: int,
         values: bool = True,
         scales: tuple[float, float] = (1.0, 1.0),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The first `length` slots of a request whose block ids are `blocks`: keys and values
-        [1, KV heads, length, head dim] in the model's dtype (an fp8 cache's times the layer's
-        `scales`, as its kernel reads them), copies in slot order (values None unless asked)."""
-        key_half = split_cache(kv_cache)[0]
-        n = (length + self.block_size - 1) // self.block_size
-        keys = self._read_half(key_half, blocks[:n], length, self.key_order, self.key_view, scales[0])
-        return keys, (self.read_values(kv_cache, blocks, length, scales[1]) if values else None)
+        """The first `length` slots of each row (a request) whose block ids are the rows of
+        `table` [R, blocks] (any block past a row's own: its slots are read and not used): keys
+        and values [R, KV heads, length, head dim] in the model's dtype (an fp8 cache's times
+        the layer's `scales`, as its kernel reads them), copies in slot order (values None
+        unless asked). One read for every row."""
+        keys = self._read_half(
+            split_cache(kv_cache)[0], table, length, self.key_order, self.key_view, scales[0]
+        )
+        return keys, (self.read_values(kv_cache, table, length, scales[1]) if values else None)
 
     def read_values(
-        self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int, scale: float = 1.0
+        self, kv_cache: torch.Tensor, table: torch.Tensor, length: int, scale: float = 1.0
     ) -> torch.Tensor:
         """The values alone, as `read` gives them (for a step that has read the keys already)."""
-        n = (length + self.block_size - 1) // self.block_size
         value_half = split_cache(kv_cache)[1]
-        return self._read_half(value_half, blocks[:n], length, self.value_order, self.value_view, scale)
+        return self._read_half(value_half, table, length, self.value_order, self.value_view, scale)
 
     def _read_half(
         self,
         half: torch.Tensor,
-        blocks: torch.Tensor,
+        table: torch.Tensor,
         length: int,
         order: torch.Tensor,
         kind: str,
         scale: float,
     ) -> torch.Tensor:
-        n, heads, bs, d = blocks.numel(), half.shape[1], self.block_size, self.head_dim
-        tiles = half[blocks]  # [n, H, bs, D] as stored (a copy)
+        n = (length + self.block_size - 1) // self.block_size
+        table = table[:, :n].to(half.device, torch.long)
+        rows, heads, bs, d = table.shape[0], half.shape[1], self.block_size, self.head_dim
+        tiles = half[table.reshape(-1)]  # [R * n, H, bs, D] as stored (a copy)
         if kind == "channels":
-            tiles = tiles.reshape(n, heads, d, bs).transpose(-1, -2)
+            tiles = tiles.reshape(rows * n, heads, d, bs).transpose(-1, -2)
         elif kind == "gather":
-            tiles = tiles.reshape(n, heads, -1)[..., order].view(n, heads, bs, d)
-        flat = tiles.transpose(0, 1).reshape(heads, n * bs, d)[:, :length]  # [H, length, D], slot order
+            tiles = tiles.reshape(rows * n, heads, -1)[..., order].view(rows * n, heads, bs, d)
+        # [R, H, n * bs, D] in slot order, then the first `length`
+        flat = tiles.reshape(rows, n, heads, bs, d).transpose(1, 2).reshape(rows, heads, n * bs, d)
+        flat = flat[:, :, :length]
         if self.stored is not None:  # decoded and scaled in fp32, then the model's dtype
             flat = (flat.view(self.stored).float() * scale).to(self.dtype)
-        return flat[None]
+        return flat
 
-    def move(self, kv_cache: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor, first: int = 0) -> None:
-        """Compaction: each head's kept `slots` [H, K] (ascending) into the request's slots
-        `first` .. `first` + K - 1, keys and values, as stored (raw elements: exact for every
-        cache dtype). Nothing before `first` is written.
+    def compact(
+        self,
+        kv_cache: torch.Tensor,
+        table: torch.Tensor,
+        slots: torch.Tensor,
+        kept: list[int],
+        read: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Compaction of every row (a request) at once: row r's kept `slots[r]` [H, K]
+        (ascending) into its slots 0 .. kept[r] - 1, keys and values; `table` [R, blocks] holds
+        each row's block ids and `read` the rows' keys and values as `read` gave them.
+
+        A cache of the model's dtype holds exactly what was read: the kept tokens are taken
+        from `read` and written back with vLLM's own write op (a token slot that every head
+        keeps in place is not written). An fp8 cache's bytes are moved instead (`move`): no
+        second rounding. Measured: docs/performance.md."""
+        if self.stored is not None:
+            self.move(kv_cache, table, slots, kept)
+            return
+        rows, heads, k = slots.shape
+        keys, values = read
+        length, device = keys.shape[2], keys.device
+        slots = slots.to(device)
+        j = torch.arange(k, device=device)
+        # Flat row indices into [R * H * T, D]: one index_select, far faster than an expanded gather.
+        flat = (
+            slots.clamp(max=length - 1)
+            + torch.arange(rows * heads, device=device).view(rows, heads, 1) * length
+        )
+        flat = flat.flatten()
+        kept_k, kept_v = (
+            x.reshape(-1, self.head_dim)
+            .index_select(0, flat)
+            .view(rows, heads, k, -1)
+            .transpose(1, 2)
+            .reshape(rows * k, heads, -1)
+            for x in (keys, values)
+        )
+        table = table.to(device, torch.long)
+        mapping = (
+            table.gather(1, (j // self.block_size).expand(rows, k)) * self.block_size + j % self.block_size
+        )
+        written = (j < torch.tensor(kept, device=device)[:, None]) & (slots != j).any(1)  # [R, K]
+        mapping = mapping.masked_fill(~written, -1).flatten()  # -1: the write op skips the token
+        key_half, value_half = split_cache(kv_cache)
+        ops.cpu_attn_reshape_and_cache(
+            kept_k, kept_v, key_half, value_half, mapping, self.isa,
+            k_scale=1.0, v_scale=1.0, kv_cache_dtype=self.kv_cache_dtype,
+        )  # fmt: skip
+
+    def move(self, kv_cache: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, kept: list[int]) -> None:
+        """Compaction of every row (a request) at once: row r's kept `slots[r]` [H, K]
+        (ascending) into its slots 0 .. kept[r] - 1, keys and values, as stored (raw elements:
+        exact for every cache dtype); `table` [R, blocks] holds each row's block ids. A slot
+        that keeps its token (slots[r, h, k] == k) is not written, nor is anything past kept[r].
 
         One gather and one scatter over the layer's cache as a flat run of raw elements, each
         element's offset taken from per-token tables: half the time of indexing the
-        [blocks, heads, tile] view over three broadcast axes (docs/performance.md)."""
-        heads, k = slots.shape
+        [blocks, heads, tile] view over three broadcast axes, and one pair of ops for all the
+        requests of a step (docs/performance.md)."""
+        rows, heads, k = slots.shape
         bs, d = self.block_size, self.head_dim
         if kv_cache.shape[2:] != (bs, 2 * d) or kv_cache.stride()[2:] != (2 * d, 1):
             # The offsets assume this layout's tiles, each one run of elements.
@@ -179,11 +236,14 @@ class TileLayout:
         device = kv_cache.device
         raw = kv_cache.view(RAW_BY_ITEMSIZE[kv_cache.element_size()])
         flat = raw.as_strided((raw.untyped_storage().nbytes() // raw.element_size(),), (1,), 0)
-        blocks = raw.storage_offset() + blocks.to(device, torch.long) * raw.stride(0)
+        starts = raw.storage_offset() + table.to(device, torch.long) * raw.stride(0)  # [R, blocks]
         slots = slots.to(device)
-        head = torch.arange(heads, device=device)[:, None] * raw.stride(1)  # [H, 1]
-        j = torch.arange(first, first + k, device=device)
-        offsets = self.token_offsets.to(device)
-        src = (blocks[slots // bs] + head)[None, ..., None] + offsets[:, slots % bs]  # [2, H, K, D]
-        dst = (blocks[j // bs] + head)[None, ..., None] + offsets[:, j % bs][:, None]
+        j = torch.arange(k, device=device).expand(rows, heads, k)
+        kept = torch.tensor(kept, device=device)
+        moves = ((j < kept[:, None, None]) & (slots != j)).flatten().nonzero().squeeze(1)  # of R * H * K
+        row, head, dst = moves // (heads * k), (moves // k) % heads * raw.stride(1), moves % k
+        src = slots.flatten()[moves]
+        offsets = self.token_offsets.to(device)  # [2, bs, D]
+        src = (starts[row, src // bs] + head)[None, :, None] + offsets[:, src % bs]  # [2, moves, D]
+        dst = (starts[row, dst // bs] + head)[None, :, None] + offsets[:, dst % bs]
         flat[dst.reshape(-1)] = flat[src.reshape(-1)]  # read in full, then written

@@ -17,7 +17,7 @@ from vllm.exceptions import VLLMValidationError
 from reasonkv.core.models import ModelShape, model_shape
 from reasonkv.methods.api import build_policy
 from reasonkv.methods.knobs import KnobError
-from reasonkv.serving.paged_request import PENDING_QUERIES
+from reasonkv.serving.paged_rows import PENDING_QUERIES
 from reasonkv.serving.prefix_sharing import PromptSharing, prompt_sharing
 from reasonkv.serving.request_limits import check_fits
 from reasonkv.serving.vllm.paged_kv import FP8_FORMATS

@@ -2,12 +2,14 @@
 
 vLLM's model runner prepares a step (which requests, how many tokens each, their positions);
 the attention backend runs each layer and only copies its queries here (`hold_queries`); after
-the model's forward this module runs, layer by layer, each running request's `LayerStep` (the
-step transformers runs too) over its `PagedRequestStorage` and, when the policy compresses,
-writes the kept slots back into the paged cache (`after_forward`). Positions stay logical
-(RoPE sees the true index); the physical length is the logical one less what was dropped, and
-the runner's `seq_lens` and slot mapping are shifted by that (`dropped`). The scheduler learns
-each new physical length from the step's output and frees the blocks past it (`hooks`).
+the model's forward this module runs, layer by layer, the step transformers runs too
+(`LayerStep`) once for each pool of requests (`RequestPool`): the requests of one policy as rows
+of one `PagedRowsStorage`, read in one call and compacted in one call (`after_forward`). A
+request's prompt runs in a pool of its own, which joins its policy's shared pool once the prompt
+is complete. Positions stay logical (RoPE sees the true index); the physical length is the
+logical one less what was dropped, and the runner's `seq_lens` and slot mapping are shifted by
+that (`dropped`). The scheduler learns each new physical length from the step's output and
+frees the blocks past it (`hooks`).
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
 from reasonkv.core.models import ModelShape
+from reasonkv.core.policy.base import EMPTY
 from reasonkv.core.step import LayerPolicy, LayerStep
 from reasonkv.methods.api import build_policy
-from reasonkv.serving.paged_request import PENDING_QUERIES, PagedRequestStorage
+from reasonkv.serving.paged_rows import PENDING_QUERIES, PagedRowsStorage
 from reasonkv.serving.prefix_sharing import prompt_sharing
 from reasonkv.serving.vllm.paged_kv import TileLayout
 from reasonkv.serving.vllm.settings import ServingSettings, request_settings
@@ -66,46 +69,115 @@ def write_trace(kind: str, **fields) -> None:
             f.write(json.dumps({"kind": kind, **fields}) + "\n")
 
 
+class RequestPool:
+    """Requests of one policy as the rows of one step and one storage a layer: vLLM runs each
+    layer's step once for all of them. A request's prompt runs in a pool of its own (its rows
+    may take any number of tokens a forward), which joins its policy's shared pool once the
+    prompt is complete (`join`); in a shared pool every row takes one token a step. A policy
+    whose rows cannot share a state (`LayerStep.join_rows`) keeps each request in its own."""
+
+    def __init__(
+        self, policy: LayerPolicy, budgets: torch.Tensor, n_layers: int, prompt_end: int | None = None
+    ) -> None:
+        self.policy, self.budgets, self.prompt_end = (
+            policy,
+            budgets,
+            prompt_end,
+        )  # prompt_end: a new request's
+        self.scorer_states: list = [None] * n_layers
+        self.steps: dict[int, LayerStep] = {}
+        self.storages: dict[int, PagedRowsStorage] = {}  # the steps hold them weakly
+        self.ids: list[str] = []  # the rows' requests, in every layer's order
+
+    @property
+    def joins(self) -> bool:
+        """Whether this policy's rows may share one state (one pool for all its requests)."""
+        return self.policy.scorer.joins_rows() and self.policy.schedule.joins_rows()
+
+    def layer(self, layer_idx: int, head_dim: int, dtype: torch.dtype, device, shared: int) -> LayerStep:
+        """The layer's step, made at a new request's first forward of it (the pool's one row
+        then holds its first `shared` tokens: a prefix-cache hit)."""
+        step = self.steps.get(layer_idx)
+        if step is None:
+            budgets = self.budgets[layer_idx].to(device)
+            names = tuple(self.policy.scorer.state_names)
+            storage = self.storages[layer_idx] = PagedRowsStorage(
+                budgets.numel(), head_dim, names, dtype, device
+            )
+            storage.add_row(self.ids[0], shared)
+            step = self.steps[layer_idx] = LayerStep(
+                layer_idx, budgets, self.policy, self.scorer_states, storage,
+                prompt_end=self.prompt_end, query_wait=PENDING_QUERIES,
+            )  # fmt: skip
+            step.advance(shared)
+        return step
+
+    @property
+    def past_prompt(self) -> bool:
+        return bool(self.steps) and all(step.past_prompt for step in self.steps.values())
+
+    def join(self, other: RequestPool) -> None:
+        """Append `other`'s rows (requests past their prompts) to this pool's, layer by layer."""
+        for layer_idx, step in self.steps.items():
+            step.join_rows(other.steps[layer_idx])
+            self.storages[layer_idx].join_rows(other.storages[layer_idx])
+        self.ids += other.ids
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep rows `rows` (in that order): the others' requests leave."""
+        if not self.steps:
+            self.ids = [self.ids[r] for r in rows]
+            return
+        index = torch.tensor(rows, dtype=torch.long)
+        for layer_idx, step in self.steps.items():
+            step.select_rows(index.to(step.budgets.device))
+            self.storages[layer_idx].select_rows(index.to(step.budgets.device))
+        self.ids = [self.ids[r] for r in rows]
+
+    def split(self, rows: list[int]) -> RequestPool:
+        """A pool of rows `rows` alone, made from copies; they leave this one (requests that
+        take no token this step while the others do)."""
+        out = RequestPool(self.policy, self.budgets, len(self.scorer_states))
+        out.ids = [self.ids[r] for r in rows]
+        for layer_idx, step in self.steps.items():
+            index = torch.tensor(rows, dtype=torch.long, device=step.budgets.device)
+            storage = out.storages[layer_idx] = self.storages[layer_idx].rows_copy(index)
+            out.steps[layer_idx] = step.rows_copy(index, storage, out.scorer_states)
+        self.keep_rows([r for r in range(len(self.ids)) if r not in set(rows)])
+        return out
+
+    def length(self, rid: str) -> int:
+        """Slots the request holds (every layer must agree)."""
+        lengths = {storage.length(rid) for storage in self.storages.values()}
+        if len(lengths) != 1:
+            raise RuntimeError(f"reasonkv: request {rid}'s layers hold different lengths {sorted(lengths)}")
+        return lengths.pop()
+
+
 @dataclass
 class RequestState:
-    """One request's policy (None: this request is not compressed), its layers, and how many of
-    its tokens no slot holds any more."""
+    """One request's policy (None: this request is not compressed), the pool that runs it, and
+    how many of its tokens no slot holds any more."""
 
     prompt_len: int
     shared: int = 0
     """Tokens already in its blocks at its first forward (a prefix-cache hit): stored, never
     shown to the step as queries (serving/prefix_sharing.py says when that changes nothing)."""
-    budgets: torch.Tensor | None = None
-    policy: LayerPolicy | None = None
-    layers: dict[int, LayerStep] = field(default_factory=dict)
-    storages: dict[int, PagedRequestStorage] = field(default_factory=dict)  # the steps hold them weakly
-    scorer_states: list = field(default_factory=list)
+    pool: RequestPool | None = None
     dropped: int = 0
 
-    def layer(
-        self, layer_idx: int, head_dim: int, dtype: torch.dtype, device
-    ) -> tuple[LayerStep, PagedRequestStorage]:
-        """The step of this request's layer and its storage, made at the layer's first forward."""
-        step = self.layers.get(layer_idx)
-        if step is None:
-            budgets = self.budgets[layer_idx].to(device)
-            names = tuple(self.policy.scorer.state_names)
-            storage = self.storages[layer_idx] = PagedRequestStorage(
-                budgets.numel(), head_dim, names, dtype, device
-            )
-            step = self.layers[layer_idx] = LayerStep(
-                layer_idx, budgets, self.policy, self.scorer_states, storage,
-                prompt_end=self.prompt_len, query_wait=PENDING_QUERIES,
-            )  # fmt: skip
-            storage.extend(self.shared)
-            step.advance(self.shared)
-        return step, self.storages[layer_idx]
 
-    def physical_length(self) -> int:
-        lengths = {storage.length for storage in self.storages.values()}
-        if len(lengths) != 1:
-            raise RuntimeError(f"reasonkv: a request's layers hold different lengths {sorted(lengths)}")
-        return lengths.pop()
+@dataclass
+class PoolRun:
+    """One pool's part of a step: its rows' places in the batch, their tokens' first offsets in
+    the step's queries, and the tokens each row takes (one a row in a shared pool)."""
+
+    pool: RequestPool
+    rows: list[int]
+    tokens: int
+    queries: torch.Tensor  # [R * tokens] the rows' offsets in the step's queries
+    positions: torch.Tensor  # [R, tokens] their RoPE positions
+    first_index: torch.Tensor  # [R] each row's first token's sequence index
 
 
 @dataclass
@@ -174,26 +246,38 @@ class WorkerState:
         self.pending_lengths: dict[str, int] = {}  # compressed since the last output was sent
         self.layouts: dict[tuple, TileLayout] = {}
         self.held: dict[int, HeldLayer] = {}  # layer -> its queries this step (buffers reused)
+        self.pools: list[RequestPool] = []  # every compressed request's, shared or its own
+        self.blocks: dict[str, torch.Tensor] = {}  # request -> its block ids, this step
+        self.tables: dict[tuple, torch.Tensor] = {}  # requests -> their block table, this step
         self.trace = trace_path("kept")
 
     def _new_request(self, i: int) -> RequestState:
         batch = self.batch
+        rid = batch.req_ids[i]
         state = RequestState(batch.prompt_len[i], shared=batch.first_index[i])
         settings = request_settings(self.settings, batch.extra_args[i])
         if settings is not None:
-            state.budgets, state.policy = self.policy_for(settings)
-            allowed = prompt_sharing(state.policy, state.prompt_len, self.block_size).hit
+            budgets, policy = self.policy_for(settings)
+            allowed = prompt_sharing(policy, state.prompt_len, self.block_size).hit
             if state.shared > allowed:  # the scheduler's rule (hooks._share_kept_prompts) broken
                 raise RuntimeError(
-                    f"reasonkv: request {batch.req_ids[i]} starts after {state.shared} cached tokens; "
+                    f"reasonkv: request {rid} starts after {state.shared} cached tokens; "
                     f"its method may share at most {allowed}"
                 )
-        state.scorer_states = [None] * self.n_layers
+            state.pool = RequestPool(policy, budgets, self.n_layers, prompt_end=state.prompt_len)
+            state.pool.ids = [rid]
+            self.pools.append(state.pool)
         return state
 
     def forget(self, req_ids) -> None:
         for rid in req_ids:
-            self.requests.pop(rid, None)
+            state = self.requests.pop(rid, None)
+            pool = None if state is None else state.pool
+            if pool is None:
+                continue
+            pool.keep_rows([r for r, other in enumerate(pool.ids) if other != rid])
+            if not pool.ids:
+                self.pools.remove(pool)
 
     def dropped(self, rid: str) -> int:
         state = self.requests.get(rid)
@@ -217,6 +301,8 @@ class WorkerState:
         self.batch = batch
         for held in self.held.values():
             held.tokens = 0
+        self.blocks = dict(zip(batch.req_ids, batch.block_rows, strict=True))
+        self.tables = {}
 
     def hold_queries(
         self, layer_idx: int, layer, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
@@ -234,7 +320,7 @@ class WorkerState:
         held.queries[:n].copy_(query)
 
     def after_forward(self) -> None:
-        """After the model's forward: each layer's step for every running request, over the
+        """After the model's forward: each layer's step, once for each pool of requests, over the
         queries the attention calls held; the requests that compress compact their slots."""
         batch = self.batch
         if batch is None:
@@ -243,59 +329,112 @@ class WorkerState:
         layers = sorted(i for i, held in self.held.items() if held.tokens)
         if starts[-1] and len(layers) != self.n_layers:  # every decoder layer attends every step
             raise RuntimeError(f"reasonkv: {len(layers)} of {self.n_layers} layers held this step's queries")
+        runs = self._pool_runs(starts)
         for layer_idx in layers:
             held = self.held[layer_idx]
             if held.tokens != starts[-1]:
                 raise RuntimeError(
                     f"reasonkv: layer {layer_idx} held {held.tokens} queries, the step has {starts[-1]}"
                 )
-            self._layer_step(layer_idx, held, starts)
+            for run in runs:
+                self._layer_step(layer_idx, held, run)
+        self._join_pools()
 
-    def _layer_step(self, layer_idx: int, held: HeldLayer, starts: list[int]) -> None:
+    def _pool_runs(self, starts: list[int]) -> list[PoolRun]:
+        """This step's pools and their rows' tokens. A pool some of whose requests take no token
+        this step (vLLM ran out of its token budget for them) leaves them in a pool of their own."""
+        batch = self.batch
+        for i, rid in enumerate(batch.req_ids):
+            if starts[i + 1] > starts[i] and rid not in self.requests:
+                self.requests[rid] = self._new_request(i)
+        where = {rid: i for i, rid in enumerate(batch.req_ids) if starts[i + 1] > starts[i]}
+        runs = []
+        for pool in list(self.pools):
+            absent = [r for r, rid in enumerate(pool.ids) if rid not in where]
+            if len(absent) == len(pool.ids):
+                continue
+            if absent:
+                self.pools.append(pool.split(absent))
+                for rid in self.pools[-1].ids:
+                    self.requests[rid].pool = self.pools[-1]
+            rows = [where[rid] for rid in pool.ids]
+            counts = {batch.n_tokens[i] for i in rows}
+            if len(counts) != 1 or (len(rows) > 1 and counts != {1}):
+                raise RuntimeError(
+                    f"reasonkv: the requests of one pool take {sorted(counts)} tokens this step; one each"
+                )
+            q = counts.pop()
+            offsets = torch.tensor([starts[i] + t for i in rows for t in range(q)])
+            positions = batch.positions[offsets.to(batch.positions.device)].view(len(rows), q)
+            first_index = torch.tensor([batch.first_index[i] for i in rows])
+            runs.append(PoolRun(pool, rows, q, offsets, positions, first_index))
+        return runs
+
+    def _join_pools(self) -> None:
+        """After the step: a pool whose requests are past their prompts joins its policy's
+        shared pool (the first such pool becomes it)."""
+        shared: dict[int, RequestPool] = {}
+        for pool in list(self.pools):
+            if not (pool.joins and pool.past_prompt):
+                continue
+            main = shared.setdefault(id(pool.policy), pool)
+            if main is pool:
+                continue
+            main.join(pool)
+            self.pools.remove(pool)
+            for rid in pool.ids:
+                self.requests[rid].pool = main
+
+    def _layer_step(self, layer_idx: int, held: HeldLayer, run: PoolRun) -> None:
         batch, kv_cache, query = self.batch, held.kv_cache, held.queries
-        layer = held.layer
+        layer, pool = held.layer, run.pool
         layout = self.layout(query.dtype, layer.isa, layer.kv_cache_dtype, kv_cache.dtype)
         scales = (layer._k_scale_float, layer._v_scale_float)  # fp8: what the kernel multiplies by
-        for i, rid in enumerate(batch.req_ids):
-            start, end = starts[i], starts[i + 1]
-            if end <= start:
-                continue
-            state = self.requests.get(rid)
-            if state is None:
-                state = self.requests[rid] = self._new_request(i)
-            if state.policy is None:  # "reasonkv": false for this request
-                continue
-            step, storage = state.layer(layer_idx, self.head_dim, query.dtype, query.device)
-            blocks = batch.block_rows[i]
+        first = pool.ids[0]
+        step = pool.layer(layer_idx, self.head_dim, query.dtype, query.device, self.requests[first].shared)
+        storage = pool.storages[layer_idx]
 
-            # The defaults bind this iteration's request (the storage calls them inside the step).
-            def read(length: int, values: bool, blocks=blocks):
-                if values:
-                    return None, layout.read_values(kv_cache, blocks, length, scales[1])
-                return layout.read(kv_cache, blocks, length, False, scales)
+        def read(ids: list, length: int, values: bool):
+            table = self._block_table(ids)
+            if values:
+                return None, layout.read_values(kv_cache, table, length, scales[1])
+            return layout.read(kv_cache, table, length, False, scales)
 
-            def move(slots: torch.Tensor, first: int, blocks=blocks) -> None:
-                layout.move(kv_cache, blocks, slots, first)
+        def move(
+            ids: list, slots: torch.Tensor, kept: list[int], read: tuple[torch.Tensor, torch.Tensor]
+        ) -> None:
+            layout.compact(kv_cache, self._block_table(ids), slots, kept, read)
 
-            storage.bind(read, move)
-            storage.extend(end - start)
-            step.advance(end - start)
-            q = query[start:end].transpose(0, 1)[None]  # [1, Hq, q, D]
-            step.after_attention(q, batch.positions[start:end][None], held.scale)
-            storage.unbind()
-            if not storage.compacted:
-                continue
-            self.compressed[rid] = storage.length
+        q, rows = run.tokens, len(run.rows)
+        # [R, Hq, q, D]: one row a request (a prompt chunk: its pool's one request)
+        queries = query[run.queries.to(query.device)].view(rows, q, *query.shape[1:]).transpose(1, 2)
+        storage.bind(read, move)
+        storage.compacted.clear()
+        storage.extend(q)
+        step.advance(q, run.first_index.to(query.device))
+        step.after_attention(queries, run.positions, held.scale)
+        storage.unbind()
+        for rid in storage.compacted:
+            self.compressed[rid] = storage.length(rid)
             if self.trace:
-                kept = storage.token_index[0].tolist()
+                row = storage.ids.index(rid)
+                kept = [[i for i in head if i != EMPTY] for head in storage.token_index[row].tolist()]
+                state = self.requests[rid]
+                logical = batch.first_index[run.rows[pool.ids.index(rid)]] + q
                 write_trace(
-                    "kept",
-                    request=rid,
-                    prompt_len=state.prompt_len,
-                    layer=layer_idx,
-                    seen=step.seen,
-                    kept=kept,
+                    "kept", request=rid, prompt_len=state.prompt_len, layer=layer_idx, seen=logical, kept=kept
                 )
+
+    def _block_table(self, ids: list) -> torch.Tensor:
+        """[R, blocks] the requests' block ids, a shorter row padded with its own last block."""
+        key = tuple(ids)
+        table = self.tables.get(key)
+        if table is None:
+            rows = [self.blocks[rid] for rid in ids]
+            width = max(r.numel() for r in rows)
+            table = torch.stack([torch.cat([r, r[-1:].expand(width - r.numel())]) for r in rows])
+            self.tables[key] = table
+        return table
 
     def end_step(self) -> dict[str, int]:
         """After the forward: the requests that compressed, with their new physical lengths
@@ -303,7 +442,7 @@ class WorkerState:
         out = {}
         for rid in self.compressed:
             state = self.requests[rid]
-            length = state.physical_length()
+            length = state.pool.length(rid)
             i = self.batch.req_ids.index(rid)
             logical = self.batch.first_index[i] + self.batch.n_tokens[i]
             state.dropped = logical - length

@@ -179,6 +179,18 @@ class BeaconState(PolicyState):
     scale: torch.Tensor | None = None  # [B, X, M, 1]: beacon_bits=8, each beacon's scale
     ROW_FIELDS = ("beacons", "count", "scale")
 
+    def join_rows(self, other: BeaconState) -> None:
+        """Rows of settled states (no queued query: `BeaconKVScorer.settle`); the counts of
+        forwards are this state's (the pool's)."""
+        if self.pending or other.pending:
+            raise ValueError("BeaconKV: rows with queued queries cannot join; settle both first")
+        other.forwards, other.step_size = self.forwards, self.step_size
+        super().join_rows(other)
+
+    def rebind(self, old_window: QueryWindowView, window: QueryWindowView, layer_states: list) -> None:
+        super().rebind(old_window, window, layer_states)
+        self.group = _weakly(layer_states)
+
     def points(self) -> torch.Tensor:
         """The held beacons as vectors [B, X, M, D] (fp32 when stored as codes)."""
         return self.beacons if self.scale is None else decode_vectors(self.beacons, self.scale)
@@ -264,6 +276,13 @@ class BeaconKVScorer(Scorer):
             n_sink=view.n_sink,
             scale=scale,
         )
+
+    def settle(
+        self, state: BeaconState, rope_inv_freq: torch.Tensor | None, attention_scaling: float
+    ) -> None:
+        """Feed the queued queries (every layer of the group, in one pass)."""
+        if state is not None and state.pending > 0:
+            self.flush(state, rope_inv_freq, attention_scaling)
 
     # ------------------------------------------------------------- buffer upkeep
     def on_step(self, step: Observation, keys: torch.Tensor | None) -> None:

@@ -62,6 +62,10 @@ class H2OScorer(Scorer):
     def _folds(self, state: H2OState | None, q: int) -> bool:
         return state is None or q > 1 or state.pending + q >= self.fold_every
 
+    def joins_rows(self) -> bool:
+        """The waiting queries' sums need the keys: rows with other counts cannot share a state."""
+        return self.fold_every == 1
+
     def keeps_old_prompt_queries(self) -> bool:
         """A prompt query's attention adds only to prompt keys' sums (causal), and a prefix is
         shared only where the prompt is never evicted: those sums never decide anything."""

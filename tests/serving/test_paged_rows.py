@@ -1,4 +1,4 @@
-"""The one decode step (`LayerStep`) over a request's paged slots (`PagedRequestStorage`, the
+"""The one decode step (`LayerStep`) over requests' paged slots (`PagedRowsStorage`, the
 storage vLLM's adapter gives it) keeps exactly what `CompressedLayer` keeps in transformers, fed
 the same queries, keys and values: the vLLM adapter's decisions are the HF path's, and what
 differs between the two engines is only where K/V live.
@@ -20,7 +20,7 @@ from reasonkv.core.layer import CompressedLayer
 from reasonkv.core.policy.base import EMPTY
 from reasonkv.core.step import LayerStep, window_keep
 from reasonkv.core.storage import gather_slots
-from reasonkv.serving.paged_request import PENDING_QUERIES, PagedRequestStorage
+from reasonkv.serving.paged_rows import PENDING_QUERIES, PagedRowsStorage
 from reasonkv.serving.prefix_sharing import NOTHING_SHARED, PromptSharing, prompt_sharing
 from sync_helpers import SyncRecorder
 
@@ -39,7 +39,7 @@ METHODS = [
 ]
 
 
-def record(monkeypatch, model, method, budget, knobs, prompt_len=20, steps=60):
+def record(monkeypatch, model, method, budget, knobs, prompt_len=20, steps=60, seed=3):
     """Each layer's forwards: (keys, values, query, positions, held index per head)."""
     forwards: dict[int, list] = {}
     pending: dict[int, list] = {}
@@ -61,54 +61,89 @@ def record(monkeypatch, model, method, budget, knobs, prompt_len=20, steps=60):
     monkeypatch.setattr(CompressedLayer, "update", spy_update)
     monkeypatch.setattr(CompressedLayer, "after_attention", spy_after)
     cache = reasonkv.make_cache(model, method, budget, **knobs)
-    greedy_loop(model, random_prompt(prompt_len, seed=3), cache, steps)
+    greedy_loop(model, random_prompt(prompt_len, seed=seed), cache, steps)
     monkeypatch.undo()
     return cache, forwards
+
+
+class Store:
+    """Requests' K/V of one layer in contiguous tensors, read and compacted as vLLM's paged cache
+    is through `TileLayout` (`read(ids, length, values)`, `move(ids, slots, kept)`)."""
+
+    def __init__(self) -> None:
+        self.keys: dict = {}  # request -> [1, H, length, D]
+        self.values: dict = {}
+        self.written: list[torch.Tensor] = []  # per row compacted: [K] bool, the slots written
+
+    def append(self, rid, new_k, new_v) -> None:
+        old_k, old_v = self.keys.get(rid), self.values.get(rid)
+        self.keys[rid] = new_k if old_k is None else torch.cat([old_k, new_k], dim=2)
+        self.values[rid] = new_v if old_v is None else torch.cat([old_v, new_v], dim=2)
+
+    def trim(self, rid, length: int) -> None:
+        """Slots past the storage's length are free (the engine gives their blocks back): a
+        compaction that moves nothing only shortens the request."""
+        self.keys[rid], self.values[rid] = (kv[rid][:, :, :length] for kv in (self.keys, self.values))
+
+    def read(self, ids, length: int, values: bool):
+        def rows(kv):
+            return torch.cat(
+                [torch.nn.functional.pad(kv[r], (0, 0, 0, length - kv[r].shape[2])) for r in ids]
+            )
+
+        return rows(self.keys), (rows(self.values) if values else None)
+
+    def move(self, ids, slots: torch.Tensor, kept: list[int], read) -> None:
+        for r, (rid, k) in enumerate(zip(ids, kept, strict=True)):
+            row = slots[r, :, :k]
+            # Which slots change; read by the tests after the run, not here (a host sync).
+            self.written.append((row != torch.arange(k)).any(0))
+            for kv in (self.keys, self.values):
+                kv[rid] = gather_slots(kv[rid][0], row)[None]
+
+    @property
+    def moved_from(self) -> list[int]:
+        """The first slot each compaction wrote (of those that wrote one)."""
+        return [int(changed.int().argmax()) for changed in self.written if bool(changed.any())]
 
 
 class Request:
     """One request's layer as vLLM's adapter runs it: the step over a paged storage, whose reads
     and writes go to a contiguous store here (the engine's paged cache there)."""
 
-    def __init__(self, layer_idx: int, cache, states: list, prompt_end: int, wait: int = PENDING_QUERIES):
-        self.storage = PagedRequestStorage(
-            2, 16, tuple(cache.policy.scorer.state_names), torch.float32, "cpu"
-        )
+    def __init__(
+        self, layer_idx: int, cache, states: list, prompt_end: int, wait: int = PENDING_QUERIES,
+        rid="r", store: Store | None = None, shared: int = 0,
+    ) -> None:  # fmt: skip
+        self.rid, self.store = rid, Store() if store is None else store
+        self.storage = PagedRowsStorage(2, 16, tuple(cache.policy.scorer.state_names), torch.float32, "cpu")
+        self.storage.add_row(rid, shared)
         self.step = LayerStep(
             layer_idx, cache.budgets[layer_idx], cache.policy, states, self.storage,
             prompt_end=prompt_end, query_wait=wait,
         )  # fmt: skip
-        self.keys = self.values = None
-        self.moved_from: list[int] = []  # the first slot each compaction wrote
+        self.step.advance(shared)
 
-    def trim(self) -> None:
-        """Slots past the storage's length are free (the engine gives their blocks back): a
-        compaction that moves nothing only shortens the request."""
-        if self.keys is not None:
-            self.keys, self.values = (kv[:, :, : self.storage.length] for kv in (self.keys, self.values))
+    @property
+    def moved_from(self) -> list[int]:
+        return self.store.moved_from
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.store.keys[self.rid]
 
     def feed(self, new_k, new_v, query, positions, scaling) -> bool:
         """One forward; whether it compressed."""
-        self.trim()
-        self.keys = new_k if self.keys is None else torch.cat([self.keys, new_k], dim=2)
-        self.values = new_v if self.values is None else torch.cat([self.values, new_v], dim=2)
-
-        def read(length: int, values: bool):
-            assert length == self.keys.shape[2]
-            return self.keys, (self.values if values else None)
-
-        def move(slots: torch.Tensor, first: int) -> None:
-            self.moved_from.append(first)
-            kept = [gather_slots(kv[0], slots)[None] for kv in (self.keys, self.values)]
-            self.keys = torch.cat([self.keys[:, :, :first], kept[0]], dim=2)
-            self.values = torch.cat([self.values[:, :, :first], kept[1]], dim=2)
-
-        self.storage.bind(read, move)
+        if self.rid in self.store.keys:
+            self.store.trim(self.rid, self.storage.length(self.rid))
+        self.store.append(self.rid, new_k, new_v)
+        self.storage.bind(self.store.read, self.store.move)
+        self.storage.compacted.clear()
         self.storage.extend(query.shape[2])
         self.step.advance(query.shape[2])
         self.step.after_attention(query, positions[None], scaling)
         self.storage.unbind()
-        return self.storage.compacted
+        return bool(self.storage.compacted)
 
     def held(self) -> list[list[int]]:
         return [sorted(row) for row in self.storage.token_index[0].tolist()]
@@ -124,9 +159,7 @@ def replay(request: Request, steps: list, chunk: int | None = None, shared: int 
     new_k, new_v, query, positions, held, scaling = first
     n = query.shape[2]
     if shared:
-        request.keys, request.values = new_k[:, :, :shared], new_v[:, :, :shared]
-        request.storage.extend(shared)
-        request.step.advance(shared)
+        request.store.append(request.rid, new_k[:, :, :shared], new_v[:, :, :shared])
     for start in range(shared, n, chunk or n):
         end = min(start + (chunk or n), n)
         compressions += request.feed(
@@ -142,8 +175,7 @@ def replay(request: Request, steps: list, chunk: int | None = None, shared: int 
     for new_k, new_v, query, positions, held, scaling in rest:
         compressions += request.feed(new_k, new_v, query, positions, scaling)
         assert request.held() == held, f"layer {request.step.layer_idx} after token {request.step.seen}"
-    request.trim()
-    assert request.storage.length == request.keys.shape[2]
+    request.store.trim(request.rid, request.storage.length(request.rid))
     return compressions
 
 
@@ -161,10 +193,86 @@ def test_the_paged_step_keeps_what_the_cache_keeps(monkeypatch, method, budget, 
     assert compressions > 0, "the run never compressed: the comparison would prove nothing"
 
 
+POOLED = [m for m in METHODS if m[2].get("phase") != "decode"]
+"""The methods whose rows join one state (`Schedule.joins_rows`): all but a count from the
+prompt's end, which is one number for every row."""
+ARRIVALS = {"a": (0, 20, 3, 56), "b": (5, 28, 4, 50), "c": (12, 12, 5, 54)}
+"""request -> (the step its prompt arrives at, prompt length, seed, decode steps)."""
+
+
+@pytest.mark.parametrize(("method", "budget", "knobs"), POOLED, ids=lambda v: str(v))
+def test_a_pool_of_requests_at_different_positions_keeps_what_each_cache_keeps(
+    monkeypatch, method, budget, knobs
+) -> None:
+    """vLLM's adapter runs one step a layer over its running requests, as rows of one storage:
+    each request's prompt runs in a storage of its own, which joins the pool once the prompt is
+    complete; every decode step then feeds all rows at once, the rows that compress are scored
+    apart from the others and put back, and a finished request leaves. Each row keeps, at every
+    step, exactly what its own HF cache kept (recorded alone)."""
+    model = tiny_model("llama")
+    runs = {}
+    for rid, (_, prompt_len, seed, steps) in ARRIVALS.items():
+        cache, runs[rid] = record(monkeypatch, model, method, budget, knobs, prompt_len, steps, seed)
+    compressed = {rid: 0 for rid in ARRIVALS}
+    apart = 0
+    for layer_idx in runs["a"]:
+        store, pool, fed = Store(), None, {rid: 0 for rid in ARRIVALS}
+        for t in range(max(start + steps + 1 for start, _, _, steps in ARRIVALS.values())):
+            joining = []
+            for rid, (start, prompt_len, _, _) in ARRIVALS.items():
+                if t == start:  # the prompt, in a storage and step of its own
+                    new = Request(
+                        layer_idx, cache, [None] * len(runs[rid]), prompt_end=prompt_len, rid=rid, store=store
+                    )
+                    k, v, query, positions, held, scaling = runs[rid][layer_idx][0]
+                    compressed[rid] += new.feed(k, v, query, positions, scaling)
+                    assert new.held() == held
+                    fed[rid] = 1
+                    joining.append(new)
+            if pool is not None:
+                rows = list(pool.storage.ids)
+                for rid in rows:
+                    store.trim(rid, pool.storage.length(rid))
+                forwards = [runs[rid][layer_idx][fed[rid]] for rid in rows]
+                for rid, (k, v, *_rest) in zip(rows, forwards, strict=True):
+                    store.append(rid, k, v)
+                query = torch.cat([f[2] for f in forwards])
+                positions = torch.stack([f[3] for f in forwards])  # [R, 1]
+                pool.storage.bind(store.read, store.move)
+                pool.storage.compacted.clear()
+                pool.storage.extend(1)
+                pool.step.advance(1, positions[:, 0])
+                rows_compressed = pool.step.after_attention(query, positions, forwards[0][5])
+                pool.storage.unbind()
+                if rows_compressed is not None and not bool(rows_compressed.all()):
+                    apart += 1
+                assert pool.storage.ids == rows, "rows scored apart are put back in their place"
+                for r, rid in enumerate(rows):
+                    held = [sorted(i for i in h if i != EMPTY) for h in pool.storage.token_index[r].tolist()]
+                    assert held == forwards[r][4], f"{rid}, layer {layer_idx}, forward {fed[rid]}"
+                    compressed[rid] += rid in pool.storage.compacted
+                    fed[rid] += 1
+                done = [r for r, rid in enumerate(rows) if fed[rid] == len(runs[rid][layer_idx])]
+                if done:  # finished requests leave
+                    stay = torch.tensor([r for r in range(len(rows)) if r not in done], dtype=torch.long)
+                    pool.step.select_rows(stay)
+                    pool.storage.select_rows(stay)
+            for new in joining:  # after the step, a request past its prompt joins the pool
+                if pool is None or not pool.storage.ids:
+                    pool = new
+                else:
+                    pool.step.join_rows(new.step)
+                    pool.storage.join_rows(new.storage)
+        assert all(fed[rid] == len(runs[rid][layer_idx]) for rid in ARRIVALS)
+    assert all(compressed.values()), f"every request must compress: {compressed}"
+    assert apart, "no step compressed some rows and not others: the rows apart were never tested"
+
+
 def test_heads_that_keep_different_counts_are_refused() -> None:
     """A block table holds every head of a layer at one length (a head allocator cannot run)."""
-    storage = PagedRequestStorage(2, 4, (), torch.float32, "cpu")
-    storage.extend(6)
+    storage = PagedRowsStorage(2, 4, (), torch.float32, "cpu")
+    storage.add_row("r", 6)
+    storage.bind(None, lambda ids, slots, kept, read: None)
     slots = torch.tensor([[[0, 1, 2], [0, 1, 6]]])
     with pytest.raises(RuntimeError, match="one count for every head"):
         storage.keep_slots(slots, torch.tensor([[3, 2]]), torch.zeros(1, 2, 6))
@@ -231,7 +339,7 @@ def test_waiting_decode_queries_join_the_window_as_step_by_step_keeps_would() ->
             assert torch.equal(window.query_positions, reference.query_positions)
             assert window._waiting == []
     assert waited == PENDING_QUERIES - 1  # the cap was reached and joined, not only read away
-    assert request.storage.length == step.seen == request.keys.shape[2]
+    assert request.storage.length("r") == step.seen == request.keys.shape[2]
     assert torch.equal(request.storage.token_index[0], torch.arange(step.seen).expand(2, -1))
 
 
@@ -296,7 +404,7 @@ def test_after_a_shared_prefix_the_paged_step_keeps_what_the_whole_prompt_keeps(
     states = [None] * len(forwards)
     compressions, moved_from = 0, []
     for layer_idx, steps in forwards.items():
-        request = Request(layer_idx, cache, states, prompt_end=SHARED_PROMPT)
+        request = Request(layer_idx, cache, states, prompt_end=SHARED_PROMPT, shared=sharing.hit)
         compressions += replay(request, steps, chunk, shared=sharing.hit)
         moved_from += request.moved_from
     assert compressions > 0, "the run never compressed: the comparison would prove nothing"
