@@ -88,6 +88,8 @@ SCHEDULE = {"a": (0, 20), "b": (3, 26), "c": (7, 12)}
 (vLLM's token budget ran out for it): it leaves the pool for one of its own, which joins the
 shared pool again after the step."""
 SKIPPED = {("b", 15), ("b", 16)}
+MORE = {("a", 22): 3}
+"""At step 22 "a" takes 3 tokens (a streaming session's next input): in a pool of its own for the step."""
 
 
 class Paged:
@@ -169,7 +171,8 @@ class Paged:
 def test_a_pool_of_requests_keeps_what_each_request_keeps_alone(method, budget, knobs) -> None:
     """The worker runs a layer's step once for a pool of requests at different positions: each
     request's prompt runs alone, then joins the pool; a request that takes no token in a step
-    leaves the pool and joins it again; the rows that compress are scored apart. Every request
+    leaves the pool and joins it again, as does one that takes more than one token; the rows that
+    compress are scored apart. Every request
     keeps, at every step and layer, what it keeps run alone by its own worker, and its blocks
     hold the same bytes."""
     settings = ServingSettings(method, budget, knobs)
@@ -178,7 +181,7 @@ def test_a_pool_of_requests_keeps_what_each_request_keeps_alone(method, budget, 
     steps, compressed, split = 34, set(), 0
     for t in range(steps):
         work = {
-            rid: (prompt if t == start else 1, prompt)
+            rid: (prompt if t == start else MORE.get((rid, t), 1), prompt)
             for rid, (start, prompt) in SCHEDULE.items()
             if t >= start and (rid, t) not in SKIPPED
         }

@@ -326,11 +326,10 @@ class LayerStep:
     def _compress_apart(self, rows: torch.Tensor, scaling: float, keys: torch.Tensor | None) -> torch.Tensor:
         """Compress rows `rows` [R] of a storage whose rows come and go (`RowsStorage`) apart
         from the others: they are copied out, compressed, and put back in their place. The
-        others are neither read nor scored (a pool of requests where a few compress a step)."""
+        others are not scored, nor read for it (a pool of requests where a few compress a step)."""
         storage: RowsStorage = self.storage
-        policy = self.policy
         chosen, others = rows.nonzero().squeeze(1), (~rows).nonzero().squeeze(1)
-        policy.scorer.settle(self.states.scorer, policy.rope_inv_freq, policy.rope_attention_scaling)
+        self.settle()
         part = storage.rows_copy(chosen)
         step = self.rows_copy(chosen, part)
         if keys is not None:  # read for on_step: these rows', as wide as their longest
@@ -403,12 +402,18 @@ class LayerStep:
             raise ValueError("rows join once both steps are past their prompts")
         if not (policy.scorer.joins_rows() and policy.schedule.joins_rows()):
             raise ValueError(f"{policy.scorer.describe()} / {policy.schedule.describe()}: rows cannot join")
-        for step in (self, other):
-            policy.scorer.settle(step.states.scorer, policy.rope_inv_freq, policy.rope_attention_scaling)
+        self.settle()
+        other.settle()
         self.window.join_rows(other.window)
         self.states.join_rows(other.states)
         if self.first_index is not None or other.first_index is not None:
             self.first_index = None  # set by the next `advance`
+
+    def settle(self) -> None:
+        """Take in what the scorer's state holds back (`Scorer.settle`): before rows join, or
+        are scored apart."""
+        policy = self.policy
+        policy.scorer.settle(self.states.scorer, policy.rope_inv_freq, policy.rope_attention_scaling)
 
     def rows_copy(
         self, rows: torch.Tensor, storage: StepStorage, scorer_states: list | None = None

@@ -191,9 +191,12 @@ class PagedRowsStorage:
         out.__dict__.update(self.__dict__)
         out.ids = [self.ids[r] for r in picked]
         out._width, out._next = [self._width[r] for r in picked], [self._next[r] for r in picked]
-        out._kv = {}  # read again, as wide as these rows
         out._token_index, out._token_state = self._token_index, dict(self._token_state)
         out._select_tensors(rows)
+        width = out._token_index.shape[-1]  # what was read this step, as wide as these rows
+        out._kv = {
+            n: None if t is None else t.index_select(0, rows)[:, :, :width] for n, t in self._kv.items()
+        }
         return out
 
     def select_rows(self, rows: torch.Tensor) -> None:

@@ -118,6 +118,8 @@ class RequestPool:
 
     def join(self, other: RequestPool) -> None:
         """Append `other`'s rows (requests past their prompts) to this pool's, layer by layer."""
+        for step in (*self.steps.values(), *other.steps.values()):
+            step.settle()  # every layer's first: BeaconKV feeds all layers of a pool at once
         for layer_idx, step in self.steps.items():
             step.join_rows(other.steps[layer_idx])
             self.storages[layer_idx].join_rows(other.storages[layer_idx])
@@ -142,6 +144,7 @@ class RequestPool:
         for layer_idx, step in self.steps.items():
             index = torch.tensor(rows, dtype=torch.long, device=step.budgets.device)
             storage = out.storages[layer_idx] = self.storages[layer_idx].rows_copy(index)
+            storage.compacted = set()  # a pool of its own records its own
             out.steps[layer_idx] = step.rows_copy(index, storage, out.scorer_states)
         self.keep_rows([r for r in range(len(self.ids)) if r not in set(rows)])
         return out
@@ -354,21 +357,33 @@ class WorkerState:
             if len(absent) == len(pool.ids):
                 continue
             if absent:
-                self.pools.append(pool.split(absent))
-                for rid in self.pools[-1].ids:
-                    self.requests[rid].pool = self.pools[-1]
-            rows = [where[rid] for rid in pool.ids]
-            counts = {batch.n_tokens[i] for i in rows}
-            if len(counts) != 1 or (len(rows) > 1 and counts != {1}):
-                raise RuntimeError(
-                    f"reasonkv: the requests of one pool take {sorted(counts)} tokens this step; one each"
-                )
-            q = counts.pop()
-            offsets = torch.tensor([starts[i] + t for i in rows for t in range(q)])
-            positions = batch.positions[offsets.to(batch.positions.device)].view(len(rows), q)
-            first_index = torch.tensor([batch.first_index[i] for i in rows])
-            runs.append(PoolRun(pool, rows, q, offsets, positions, first_index))
+                self._split(pool, absent)
+            # In a shared pool every row takes one token; a row that takes more (a streaming
+            # session's next input) runs in a pool of its own this step.
+            odd = [r for r, rid in enumerate(pool.ids) if batch.n_tokens[where[rid]] != 1]
+            if odd and len(pool.ids) > 1:
+                for rid in [pool.ids[r] for r in (odd if len(odd) < len(pool.ids) else odd[1:])]:
+                    runs.append(self._run(self._split(pool, [pool.ids.index(rid)]), where, starts))
+            runs.append(self._run(pool, where, starts))
         return runs
+
+    def _split(self, pool: RequestPool, rows: list[int]) -> RequestPool:
+        """Rows `rows` of `pool` to a pool of their own (joined again after the step)."""
+        out = pool.split(rows)
+        self.pools.append(out)
+        for rid in out.ids:
+            self.requests[rid].pool = out
+        return out
+
+    def _run(self, pool: RequestPool, where: dict[str, int], starts: list[int]) -> PoolRun:
+        """`pool`'s part of this step (its rows all take the same number of tokens)."""
+        batch = self.batch
+        rows = [where[rid] for rid in pool.ids]
+        q = batch.n_tokens[rows[0]]
+        offsets = torch.tensor([starts[i] + t for i in rows for t in range(q)])
+        positions = batch.positions[offsets.to(batch.positions.device)].view(len(rows), q)
+        first_index = torch.tensor([batch.first_index[i] for i in rows])
+        return PoolRun(pool, rows, q, offsets, positions, first_index)
 
     def _join_pools(self) -> None:
         """After the step: a pool whose requests are past their prompts joins its policy's
