@@ -62,6 +62,12 @@ class LayerPolicy:
     kv_format: KVFormat | None = None
     """How the layers store K/V (None or kv_bits 16: as the model computes them)."""
 
+    @property
+    def joins_rows(self) -> bool:
+        """Whether one state of this policy may hold rows at different positions (a serving
+        engine's pool of requests): its scorer's and schedule's counters allow it."""
+        return self.scorer.joins_rows() and self.schedule.joins_rows()
+
 
 @dataclass
 class PolicyStates:
@@ -400,7 +406,7 @@ class LayerStep:
             raise ValueError("rows join only a step of the same policy")
         if not (self._schedule_ready and other._schedule_ready):
             raise ValueError("rows join once both steps are past their prompts")
-        if not (policy.scorer.joins_rows() and policy.schedule.joins_rows()):
+        if not policy.joins_rows:
             raise ValueError(f"{policy.scorer.describe()} / {policy.schedule.describe()}: rows cannot join")
         self.settle()
         other.settle()

@@ -219,13 +219,11 @@ class PagedRowsStorage:
         self._join()
         other._join()
         width = max(self._width + other._width, default=0)
-
-        def widened(t: torch.Tensor, fill: int) -> torch.Tensor:
-            return padded(t, width, fill)
-
-        self._token_index = torch.cat([widened(self._token_index, EMPTY), widened(other._token_index, EMPTY)])
+        self._token_index = torch.cat(
+            [padded(self._token_index, width, EMPTY), padded(other._token_index, width, EMPTY)]
+        )
         self._token_state = {
-            n: torch.cat([widened(t, 0), widened(other._token_state[n], 0)])
+            n: torch.cat([padded(t, width, 0), padded(other._token_state[n], width, 0)])
             for n, t in self._token_state.items()
         }
         self.ids += other.ids

@@ -79,20 +79,12 @@ class RequestPool:
     def __init__(
         self, policy: LayerPolicy, budgets: torch.Tensor, n_layers: int, prompt_end: int | None = None
     ) -> None:
-        self.policy, self.budgets, self.prompt_end = (
-            policy,
-            budgets,
-            prompt_end,
-        )  # prompt_end: a new request's
+        self.policy, self.budgets = policy, budgets
+        self.prompt_end = prompt_end  # a new request's pool: its prompt's length
         self.scorer_states: list = [None] * n_layers
         self.steps: dict[int, LayerStep] = {}
         self.storages: dict[int, PagedRowsStorage] = {}  # the steps hold them weakly
         self.ids: list[str] = []  # the rows' requests, in every layer's order
-
-    @property
-    def joins(self) -> bool:
-        """Whether this policy's rows may share one state (one pool for all its requests)."""
-        return self.policy.scorer.joins_rows() and self.policy.schedule.joins_rows()
 
     def layer(self, layer_idx: int, head_dim: int, dtype: torch.dtype, device, shared: int) -> LayerStep:
         """The layer's step, made at a new request's first forward of it (the pool's one row
@@ -390,7 +382,7 @@ class WorkerState:
         shared pool (the first such pool becomes it)."""
         shared: dict[int, RequestPool] = {}
         for pool in list(self.pools):
-            if not (pool.joins and pool.past_prompt):
+            if not (pool.policy.joins_rows and pool.past_prompt):
                 continue
             main = shared.setdefault(id(pool.policy), pool)
             if main is pool:
