@@ -26,7 +26,7 @@ from reasonkv.core.hf_compat import cache_arg
 
 def decode_profile(model_name: str, budget: int, prompt: int, steps: int, seed: int, knobs: dict) -> dict:
     import reasonkv
-    import reasonkv.core.policy.scorers.beacon as beacon
+    import reasonkv.core.policy.fps as fps
     from reasonkv.core.models import load_model
     from reasonkv.harness.bench import SectionTimer
     from reasonkv.util.runtime import quiet_loading
@@ -70,12 +70,12 @@ def decode_profile(model_name: str, budget: int, prompt: int, steps: int, seed: 
         "step_ms": step_ms,
         "parts": parts,
         "beacon_ms_per_step": parts["on_step"]["ms_per_step"] + parts["score"]["ms_per_step"],
-        "fps_module": beacon.__name__,
+        "fps_module": fps.__name__,
     }
 
 
 def fps_compile(shape: tuple[int, ...], keep: int, repeats: int) -> dict:
-    from reasonkv.core.policy.scorers.beacon import farthest_point_sample
+    from reasonkv.core.policy.fps import farthest_point_sample
 
     points = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     seed = shape[-2] - 1

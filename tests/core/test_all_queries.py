@@ -14,7 +14,7 @@ from conftest import TEST_DEVICE, dynamic_cache, greedy_loop, random_prompt, tin
 from reasonkv import get_method, make_cache
 from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.policy import AllQueriesScorer, BeaconKVScorer
-from reasonkv.core.policy.scorers.beacon import farthest_point_sample
+from reasonkv.core.policy.fps import farthest_point_sample
 
 E = torch.eye(4)
 # Six admitted queries, one head, D=4 (zero RoPE frequencies: they stay as written).

@@ -7,7 +7,8 @@ import torch
 
 import reasonkv
 from conftest import build_tiny_model, greedy_loop, random_prompt, tiny_model
-from reasonkv.core.policy.scorers.beacon import BeaconState, add_points
+from reasonkv.core.policy.fps import add_points
+from reasonkv.core.policy.scorers.beacon import BeaconState
 from reasonkv.core.policy.vector_codes import decode_vectors, encode_vectors
 
 HQ, D = 4, 16

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import reasonkv.core.policy.scorers.beacon as beacon
-from reasonkv.core.policy.scorers.beacon import farthest_point_sample
+import reasonkv.core.policy.fps as fps
+from reasonkv.core.policy.fps import farthest_point_sample
 
 
 def matrix_path(monkeypatch, *args) -> torch.Tensor:
     with monkeypatch.context() as m:
-        m.setattr(beacon, "FPS_ROWS_ON_DEMAND_ABOVE", 10**9)
+        m.setattr(fps, "FPS_ROWS_ON_DEMAND_ABOVE", 10**9)
         return farthest_point_sample(*args)
 
 
@@ -23,7 +23,7 @@ def test_ties_go_to_the_lowest_index_on_both_paths(monkeypatch) -> None:
     copy of a chosen direction never (distance 0). Row 1 marks the first copies invalid: the
     second ones (indices 8..15) are taken instead."""
     n = 320
-    assert n > beacon.FPS_ROWS_ON_DEMAND_ABOVE
+    assert n > fps.FPS_ROWS_ON_DEMAND_ABOVE
     pts = torch.eye(8).repeat(40, 1).expand(2, n, 8).clone()
     valid = torch.ones(2, n, dtype=torch.bool)
     valid[1, :8] = False

@@ -214,7 +214,7 @@ def test_a_pool_of_requests_at_different_positions_keeps_what_each_cache_keeps(
     for rid, (_, prompt_len, seed, steps) in ARRIVALS.items():
         cache, runs[rid] = record(monkeypatch, model, method, budget, knobs, prompt_len, steps, seed)
     compressed = {rid: 0 for rid in ARRIVALS}
-    apart = 0
+    apart = uneven = 0
     for layer_idx in runs["a"]:
         store, pool, fed = Store(), None, {rid: 0 for rid in ARRIVALS}
         for t in range(max(start + steps + 1 for start, _, _, steps in ARRIVALS.values())):
@@ -246,6 +246,8 @@ def test_a_pool_of_requests_at_different_positions_keeps_what_each_cache_keeps(
                 pool.storage.unbind()
                 if rows_compressed is not None and not bool(rows_compressed.all()):
                     apart += 1
+                queued = getattr(pool.step.states.scorer, "pending", None)  # BeaconKV's queue a row
+                uneven += isinstance(queued, list) and len(set(queued)) > 1
                 assert pool.storage.ids == rows, "rows scored apart are put back in their place"
                 for r, rid in enumerate(rows):
                     held = [sorted(i for i in h if i != EMPTY) for h in pool.storage.token_index[r].tolist()]
@@ -266,6 +268,8 @@ def test_a_pool_of_requests_at_different_positions_keeps_what_each_cache_keeps(
         assert all(fed[rid] == len(runs[rid][layer_idx]) for rid in ARRIVALS)
     assert all(compressed.values()), f"every request must compress: {compressed}"
     assert apart, "no step compressed some rows and not others: the rows apart were never tested"
+    if method == "beaconkv":  # rows scored apart were fed apart: the others kept their queue
+        assert uneven, "no row's queue ever differed from the others': feeding apart was never tested"
 
 
 def test_heads_that_keep_different_counts_are_refused() -> None:

@@ -335,7 +335,7 @@ class LayerStep:
         others are not scored, nor read for it (a pool of requests where a few compress a step)."""
         storage: RowsStorage = self.storage
         chosen, others = rows.nonzero().squeeze(1), (~rows).nonzero().squeeze(1)
-        self.settle()
+        self.settle(chosen.tolist())  # these rows only: the others keep what they hold back
         part = storage.rows_copy(chosen)
         step = self.rows_copy(chosen, part)
         if keys is not None:  # read for on_step: these rows', as wide as their longest
@@ -343,7 +343,7 @@ class LayerStep:
         step._compress(torch.ones_like(chosen, dtype=torch.bool), scaling, keys)
         self.select_rows(others)
         storage.select_rows(others)
-        self.join_rows(step)
+        self._take_rows(step)  # back as they left: same window, nothing to settle
         storage.join_rows(part)
         order = torch.cat([others, chosen]).argsort()
         self.select_rows(order)
@@ -410,16 +410,19 @@ class LayerStep:
             raise ValueError(f"{policy.scorer.describe()} / {policy.schedule.describe()}: rows cannot join")
         self.settle()
         other.settle()
+        self._take_rows(other)
+
+    def _take_rows(self, other: LayerStep) -> None:
         self.window.join_rows(other.window)
         self.states.join_rows(other.states)
         if self.first_index is not None or other.first_index is not None:
             self.first_index = None  # set by the next `advance`
 
-    def settle(self) -> None:
+    def settle(self, rows: list[int] | None = None) -> None:
         """Take in what the scorer's state holds back (`Scorer.settle`): before rows join, or
-        are scored apart."""
+        (`rows` only) before they are scored apart."""
         policy = self.policy
-        policy.scorer.settle(self.states.scorer, policy.rope_inv_freq, policy.rope_attention_scaling)
+        policy.scorer.settle(self.states.scorer, policy.rope_inv_freq, policy.rope_attention_scaling, rows)
 
     def rows_copy(
         self, rows: torch.Tensor, storage: StepStorage, scorer_states: list | None = None

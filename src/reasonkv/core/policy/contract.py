@@ -22,16 +22,20 @@ from reasonkv.core.policy.knob import Declared
 
 
 class PolicyState:
-    """Per-layer memory of one policy. `ROW_FIELDS` names the tensors whose first axis is the
-    batch row: they follow the rows when beam search reorders or repeats them."""
+    """Per-layer memory of one policy. `ROW_FIELDS` names the tensors (or host lists) whose first
+    axis is the batch row: they follow the rows when beam search reorders or repeats them."""
 
     ROW_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     def select_rows(self, rows: torch.Tensor) -> None:
+        picked = None
         for name in self.ROW_FIELDS:
             value = getattr(self, name)
             if isinstance(value, torch.Tensor):
                 setattr(self, name, value.index_select(0, rows.to(value.device)))
+            elif isinstance(value, list):  # a new list: a copy of these rows never shares it
+                picked = rows.tolist() if picked is None else picked
+                setattr(self, name, [value[r] for r in picked])
 
     def rebind(self, old_window: QueryWindowView, window: QueryWindowView, layer_states: list) -> None:
         """Point this state (a copy of some rows of another's) at its own layer's query window
@@ -50,6 +54,8 @@ class PolicyState:
             if name in self.ROW_FIELDS:
                 if isinstance(mine, torch.Tensor):
                     setattr(self, name, torch.cat([mine, theirs.to(mine.device)]))
+                elif isinstance(mine, list):
+                    setattr(self, name, mine + theirs)
             elif isinstance(mine, torch.Tensor):
                 raise TypeError(f"{type(self).__name__}.{name}: a tensor that is not a row field")
             elif isinstance(mine, (int, float, str)) and mine != theirs:
@@ -180,11 +186,16 @@ class Scorer(Declared):
         return True
 
     def settle(
-        self, state: PolicyState | None, rope_inv_freq: torch.Tensor | None, attention_scaling: float
+        self,
+        state: PolicyState | None,
+        rope_inv_freq: torch.Tensor | None,
+        attention_scaling: float,
+        rows: list[int] | None = None,
     ) -> None:
         """Take in whatever `state` holds back for later (queued queries), so that its rows can
-        join or leave another state's (`PolicyState.join_rows`) and be scored apart. Default:
-        nothing is held back."""
+        join or leave another state's (`PolicyState.join_rows`). With `rows`, only those rows,
+        which are about to be scored apart from the others (their scoring then finds nothing
+        held back). Default: nothing is held back."""
 
     def on_step(self, step: Observation, keys: torch.Tensor | None) -> None:
         """See every query of this forward ([B, Hq, q, D] in `step`) over the stored keys [B, H, T, D]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from reasonkv.core.policy.scorers.beacon import add_points
+from reasonkv.core.policy.fps import add_points
 
 
 def pca_2d(points: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -29,8 +29,9 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
+from reasonkv.core.policy.fps import farthest_point_sample
 from reasonkv.core.policy.knob import knob
-from reasonkv.core.policy.scorers.beacon import BeaconState, farthest_point_sample
+from reasonkv.core.policy.scorers.beacon import BeaconState
 from reasonkv.core.policy.scorers.initial_recent import InitialRecentScorer, keep_first_points
 
 

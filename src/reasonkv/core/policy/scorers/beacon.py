@@ -38,7 +38,7 @@ token pooling by default.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import torch
@@ -53,105 +53,20 @@ from reasonkv.core.policy.base import (
     pool_tokens,
 )
 from reasonkv.core.policy.contract import LayerView, PolicyState, QueryWindowView, Scorer
+from reasonkv.core.policy.fps import add_points
 from reasonkv.core.policy.knob import knob, tokens
 from reasonkv.core.policy.rope import apply_rope, unapply_rope
 from reasonkv.core.policy.vector_codes import decode_vectors, encode_vectors
 
-DUPLICATE_EPS = 1e-5
-"""Cosine distance at or below which a point counts as identical (fp32 rounding of 0)."""
 
-
-FPS_ROWS_ON_DEMAND_ABOVE = 256
-"""Above this many points, farthest-point sampling computes only the m distance rows it visits,
-not the N x N matrix: the all-queries ablation's N grows with the sequence (a 2K-token trace's
-matrix is 4.5 GB on the default model). BeaconKV's own buffers stay far below it, so its FPS
-runs exactly as before (one matrix product; the two differ in the last bits of a distance)."""
-
-
-def _units(x: torch.Tensor) -> torch.Tensor:
-    return x / x.norm(dim=-1, keepdim=True).clamp(min=1e-12)
-
-
-def farthest_point_sample(
-    points: torch.Tensor, m: int, seed: torch.Tensor | int, valid: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Greedy FPS with cosine distance: points [..., N, D] -> [..., m] chosen indices, ascending.
-
-    Starts from `seed` (an index, or [...] indices), then repeatedly adds the point whose
-    distance to its nearest chosen point is largest (ties: the lowest index). With `valid`
-    [..., N] only those points are candidates; a row with fewer than m ends in index N.
-    """
-    n = points.shape[-2]
-    u = _units(points.float())
-    seed = torch.as_tensor(seed, device=points.device).expand(points.shape[:-2])[..., None]  # [..., 1]
-    # A point's distance to itself is set below any real one (cosine distances are >= 0 up to
-    # rounding), so once chosen its nearest-chosen distance is -1: argmax never picks it
-    # again and no separate "chosen" mask has to be kept in the loop. An invalid point looks
-    # chosen from the start, and is never counted.
-    if n > FPS_ROWS_ON_DEMAND_ABOVE:
-
-        def row(i: torch.Tensor) -> torch.Tensor:  # the distances of point i, computed now
-            ui = u.gather(-2, i[..., None].expand(*i.shape[:-1], 1, u.shape[-1]))  # [..., 1, D]
-            r = (1.0 - ui @ u.transpose(-1, -2)).squeeze(-2).scatter(-1, i, -1.0)
-            return r if valid is None else r.masked_fill(~valid, -1.0)
-
-    else:
-        dist = 1.0 - u @ u.transpose(-1, -2)  # [..., N, N]
-        dist.diagonal(dim1=-2, dim2=-1).fill_(-1.0)
-        if valid is not None:
-            dist = dist.masked_fill(~valid[..., None, :], -1.0)
-
-        def row(i: torch.Tensor) -> torch.Tensor:  # dist[..., i, :]
-            return dist.gather(-2, i[..., None].expand(*i.shape[:-1], 1, n)).squeeze(-2)
-
-    nearest = row(seed)
-    for _ in range(min(m, n) - 1):
-        nearest = torch.minimum(nearest, row(nearest.argmax(-1, keepdim=True)))
-    chosen = nearest < -0.5
-    if valid is not None:
-        chosen = chosen & valid
-    slots = torch.arange(n, device=points.device).expand_as(chosen)
-    return torch.where(chosen, slots, n).sort(dim=-1).values[..., : min(m, n)]
-
-
-def add_points(
-    beacons: torch.Tensor, count: torch.Tensor, points: torch.Tensor, valid: torch.Tensor, beacon_min: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Continual FPS: feed points [B, H, P, D] (oldest first; `valid` [B, H, P]) into the
-    buffers beacons [B, H, M, D] holding `count` [B, H] points in arrival order.
-
-    Equivalent to adding the points one at a time: a point identical in direction to a held
-    (or earlier, same-call) point is skipped; when a buffer reaches M it shrinks to
-    `beacon_min` by FPS seeded with its newest point. Points go in chunks small enough that
-    no buffer can fill before a chunk's last point, so the chunked result is the sequential one.
-    """
-    b, h, m_max, d = beacons.shape
-    start, total = 0, points.shape[2]
-    slots = torch.arange(m_max, device=beacons.device)
-    earlier = torch.ones(m_max, m_max, dtype=torch.bool, device=beacons.device).tril(-1)
-    # One slot past the end takes the skipped points, so the scatter needs no condition.
-    buf = torch.cat([beacons, beacons.new_zeros(b, h, 1, d)], dim=2)
-    while start < total:
-        k = min(total - start, m_max - int(count.max()))
-        chunk, ok = points[:, :, start : start + k].float(), valid[:, :, start : start + k]
-        u, held = _units(chunk), _units(buf[:, :, :m_max].float())
-        in_use = (slots < count[..., None])[:, :, None, :]  # [B, H, 1, M]
-        dup_held = ((u @ held.transpose(-1, -2) >= 1.0 - DUPLICATE_EPS) & in_use).any(-1)
-        same = u @ u.transpose(-1, -2) >= 1.0 - DUPLICATE_EPS
-        dup_prev = (same & earlier[:k, :k] & ok[:, :, None, :]).any(-1)
-        add = ok & ~dup_held & ~dup_prev
-        slot = torch.where(add, count[..., None] + add.cumsum(-1) - 1, m_max)
-        buf.scatter_(2, slot[..., None].expand(-1, -1, -1, d), chunk.to(buf.dtype))
-        count = count + add.sum(-1)
-        full = count == m_max
-        if bool(full.any()):
-            keep = farthest_point_sample(buf[:, :, :m_max], beacon_min, m_max - 1)  # seeded with the newest
-            kept = buf.gather(2, keep[..., None].expand(-1, -1, -1, d))
-            shrunk = torch.cat([kept, buf.new_zeros(b, h, m_max + 1 - beacon_min, d)], dim=2)
-            buf = torch.where(full[..., None, None], shrunk, buf)
-            count = torch.where(full, beacon_min, count)
-        start += k
-    return buf[:, :, :m_max].clone(memory_format=torch.contiguous_format), count  # not a view of buf
+def _skipping(
+    leaving: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, skip: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A queue whose rows skip their first `skip[r]` queries: those get index -1 (never fed)."""
+    if skip is not None and any(skip):
+        first = torch.tensor(skip, device=index.device)[:, None]
+        index = index.masked_fill(torch.arange(index.shape[1], device=index.device) < first, -1)
+    return leaving, index, positions
 
 
 def _weakly(group: list) -> list:
@@ -173,17 +88,19 @@ class BeaconState(PolicyState):
     window: QueryWindowView  # the layer's query window (the queue lives in its backlog)
     group: list  # every layer's scorer state: queues are fed for all layers in one pass
     n_sink: int = 0  # positions below this never feed the buffers under beacon_feed="no_sinks"
-    pending: int = 0  # queued queries; below 0 when scoring fed the next leaving ones ahead
+    pending: list[int] = field(default_factory=list)
+    """Each row's queued queries (the newest ones before the recent window; below 0 when that
+    many of the recent ones were fed ahead). A row's own: rows scored apart from their pool are
+    fed apart (`BeaconKVScorer.settle` with rows)."""
     forwards: int = 0
     step_size: int = 0  # queries in the layer's latest forward
     scale: torch.Tensor | None = None  # [B, X, M, 1]: beacon_bits=8, each beacon's scale
-    ROW_FIELDS = ("beacons", "count", "scale")
+    ROW_FIELDS = ("beacons", "count", "scale", "pending")
 
     def join_rows(self, other: BeaconState) -> None:
-        """Rows of settled states (no queued query: `BeaconKVScorer.settle`); the counts of
-        forwards are this state's (the pool's)."""
-        if self.pending or other.pending:
-            raise ValueError("BeaconKV: rows with queued queries cannot join; settle both first")
+        """The counts of forwards are this state's (the pool's). Rows may join with queries
+        queued: windows join aligned at their newest query, where each row's queue is counted
+        from."""
         other.forwards, other.step_size = self.forwards, self.step_size
         super().join_rows(other)
 
@@ -195,14 +112,26 @@ class BeaconState(PolicyState):
         """The held beacons as vectors [B, X, M, D] (fp32 when stored as codes)."""
         return self.beacons if self.scale is None else decode_vectors(self.beacons, self.scale)
 
-    def hold(self, points: torch.Tensor, count: torch.Tensor) -> None:
+    def hold(self, points: torch.Tensor, count: torch.Tensor, rows: list[int] | None = None) -> None:
         """Keep `points` [B, X, M, D] as the buffers (as codes again, scales in the model's dtype,
-        when they are codes)."""
-        if self.scale is None:
-            self.beacons = points
-        else:
-            self.beacons, self.scale = encode_vectors(points, self.scale.dtype)
-        self.count = count
+        when they are codes); with `rows`, as those rows' buffers only."""
+        scale = None
+        if self.scale is not None:  # codes are per vector: a row's do not depend on the others
+            points, scale = encode_vectors(points, self.scale.dtype)
+        if rows is None:
+            self.beacons, self.scale, self.count = points, scale, count
+            return
+        at = torch.tensor(rows, device=count.device)
+
+        def put(held: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+            width = max(held.shape[2], new.shape[2])  # buffers that grow (an ablation's)
+            held, new = (F.pad(t, (0, 0, 0, width - t.shape[2])) for t in (held, new))
+            return held.index_copy(0, at, new.to(held.dtype))
+
+        self.beacons = put(self.beacons, points)
+        if scale is not None:
+            self.scale = put(self.scale, scale)
+        self.count = self.count.index_copy(0, at, count)
 
 
 @dataclass
@@ -274,15 +203,24 @@ class BeaconKVScorer(Scorer):
             window=view.window,
             group=_weakly(view.scorer_states),
             n_sink=view.n_sink,
+            pending=[0] * b,
             scale=scale,
         )
 
     def settle(
-        self, state: BeaconState, rope_inv_freq: torch.Tensor | None, attention_scaling: float
+        self,
+        state: BeaconState,
+        rope_inv_freq: torch.Tensor | None,
+        attention_scaling: float,
+        rows: list[int] | None = None,
     ) -> None:
-        """Feed the queued queries (every layer of the group, in one pass)."""
-        if state is not None and state.pending > 0:
-            self.flush(state, rope_inv_freq, attention_scaling)
+        """Feed the queued queries (every layer of the group, in one pass). With `rows` (to be
+        scored apart), only theirs, and ahead as scoring would (`flush`)."""
+        if state is None:
+            return
+        pending = state.pending if rows is None else [state.pending[r] for r in rows]
+        if max(pending, default=0) > 0:
+            self.flush(state, rope_inv_freq, attention_scaling, ahead=rows is not None, rows=rows)
 
     # ------------------------------------------------------------- buffer upkeep
     def on_step(self, step: Observation, keys: torch.Tensor | None) -> None:
@@ -309,11 +247,11 @@ class BeaconKVScorer(Scorer):
             return
         if step.rope_inv_freq is None:
             raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
-        if st.pending + n_out > self.upkeep_every:  # the backlog cannot hold them all
+        if max(st.pending) + n_out > self.upkeep_every:  # the backlog cannot hold them all
             self.flush(st, step.rope_inv_freq, step.rope_attention_scaling)
         if n_out <= self.upkeep_every:
             # They stay in the cache's backlog until fed (pending < 0: fed ahead by `flush`).
-            st.pending += n_out
+            st.pending = [p + n_out for p in st.pending]
             return
         # More than the backlog keeps (a prompt): feed them now, from (previous, this step).
         first_recent = held - min(held, self.recent)  # the previous recent queries all leave
@@ -340,6 +278,7 @@ class BeaconKVScorer(Scorer):
         inv_freq: torch.Tensor | None,
         attention_scaling: float = 1.0,
         ahead: bool = False,
+        rows: list[int] | None = None,
     ) -> None:
         """Feed the queued queries of every layer in `state.group` into their beacon buffers, in
         one FPS pass (buffers stacked along the batch axis: 30 times fewer small ops on the
@@ -348,6 +287,7 @@ class BeaconKVScorer(Scorer):
         With `ahead` (scoring), a layer that has not run this forward yet is also fed the
         queries this forward will push out of its recent window (its oldest recent ones), so
         its own scoring finds nothing left to feed; arrival order, hence the buffers, is unchanged.
+        With `rows`, only those rows are fed (a pool's rows that compress apart).
         """
         forward, q = state.forwards, state.step_size
         fed, queues = [], []
@@ -361,26 +301,49 @@ class BeaconKVScorer(Scorer):
                 n_ahead = self._leaving(held, q)
                 if n_ahead > min(held - first_recent, self.upkeep_every):
                     n_ahead = 0  # some are still to come (a long chunk): they are fed then
-            start, end = first_recent - st.pending, first_recent + n_ahead
+            pending = st.pending if rows is None else [st.pending[r] for r in rows]
+            most = max(pending)
+            start, end = first_recent - most, first_recent + n_ahead
             if start >= end:  # nothing queued (or already fed ahead)
                 continue
-            st.pending = -n_ahead
+            # Every row is fed up to `end` now; a row whose own queue starts later (fed apart
+            # before) skips the span's first queries.
+            done = [min(p, -n_ahead) for p in pending]
+            if rows is None:
+                st.pending = done
+            else:
+                st.pending = list(st.pending)
+                for r, p in zip(rows, done, strict=True):
+                    st.pending[r] = p
             fed.append(st)
-            queues.append(win.span(start, end))  # decodes only the queued queries of 8-bit windows
+            span = win.span(start, end)  # decodes only the queued queries of 8-bit windows
+            if rows is not None:
+                at = torch.tensor(rows, device=span[1].device)
+                span = tuple(t.index_select(0, at) for t in span)
+            queues.append((*span, [most - p for p in pending]))
         if fed:
-            self._feed(fed, queues, inv_freq, attention_scaling)
+            self._feed(fed, queues, inv_freq, attention_scaling, rows)
 
     def _feed(
         self,
         members: list[BeaconState],
-        queues: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        queues: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple],
         inv_freq: torch.Tensor | None,
         attention_scaling: float,
+        rows: list[int] | None = None,
     ) -> None:
         """Feed each layer's queue of leaving queries [B, Hq, n, D], with their indices and
-        positions [B, n], into its buffers, all in one pass."""
+        positions [B, n], into its buffers, all in one pass. A queue may carry a fourth part:
+        how many of its first queries each row skips (fed before). With `rows`, the queues
+        are those rows' and so are the buffers fed."""
         if inv_freq is None:
             raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
+        queues = [_skipping(*q) for q in queues]
+        at = None if rows is None else torch.tensor(rows, device=queues[0][1].device)
+
+        def picked(t: torch.Tensor) -> torch.Tensor:
+            return t if at is None else t.index_select(0, at.to(t.device))
+
         n = max(q[1].shape[1] for q in queues)
         if all(q[1].shape[1] == n for q in queues):
             leaving, index, positions = (torch.cat(parts) for parts in zip(*queues, strict=True))
@@ -392,7 +355,7 @@ class BeaconKVScorer(Scorer):
         pre = unapply_rope(leaving, positions[:, None], inv_freq, attention_scaling)
         fed = index >= 0  # [B', n] padding never enters
         if self.beacon_feed == "generated":
-            prompt_end = torch.cat([m.window.prompt_end for m in members])
+            prompt_end = torch.cat([picked(m.window.prompt_end) for m in members])
             fed = fed & (index >= prompt_end[:, None])
         elif self.beacon_feed == "no_sinks":
             fed = fed & (positions >= members[0].n_sink)
@@ -407,23 +370,23 @@ class BeaconKVScorer(Scorer):
             # beacons do not depend on how many arrive at once (upkeep_every)
             points = decode_vectors(*encode_vectors(points, members[0].scale.dtype))
         if len(members) == 1:
-            beacons, count = members[0].points(), members[0].count
+            beacons, count = picked(members[0].points()), picked(members[0].count)
         else:  # buffers that grow (an ablation's) may differ in length: pad to the longest
-            held = [m.points() for m in members]
+            held = [picked(m.points()) for m in members]
             longest = max(p.shape[2] for p in held)
             if any(p.shape[2] != longest for p in held):  # BeaconKV's never: no extra copy
                 held = [F.pad(p, (0, 0, 0, longest - p.shape[2])) for p in held]
             beacons = torch.cat(held)
-            count = torch.cat([m.count for m in members])
+            count = torch.cat([picked(m.count) for m in members])
         beacons, count = self._admit(beacons, count, points, valid)
-        rows = members[0].count.shape[0]
         if len(members) == 1:
-            members[0].hold(beacons, count)
+            members[0].hold(beacons, count, rows)
             return
         # Copies, not views of the stacked tensors: each layer then holds its own buffers (and
         # only them), and the stack is freed.
-        for m, buf, cnt in zip(members, beacons.split(rows), count.split(rows), strict=True):
-            m.hold(buf.clone() if m.scale is None else buf, cnt.clone())  # codes are new tensors
+        n = members[0].count.shape[0] if rows is None else len(rows)
+        for m, buf, cnt in zip(members, beacons.split(n), count.split(n), strict=True):
+            m.hold(buf.clone() if m.scale is None and rows is None else buf, cnt.clone(), rows)
 
     def _admit(
         self, beacons: torch.Tensor, count: torch.Tensor, points: torch.Tensor, valid: torch.Tensor
@@ -439,7 +402,7 @@ class BeaconKVScorer(Scorer):
 
     def score(self, obs: Observation, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         st: BeaconState | None = obs.scorer_state
-        if st is not None:
+        if st is not None and max(st.pending, default=0) > 0:  # else fed (ahead) already
             self.flush(st, obs.rope_inv_freq, obs.rope_attention_scaling, ahead=True)
         logits = grouped_logits(obs.queries, keys, obs.scaling)
         probs = masked_softmax(logits, candidate_mask(obs))  # recent queries: [B, H, G, W, T]
