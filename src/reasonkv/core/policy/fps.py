@@ -3,8 +3,6 @@ diverse buffer of queries per head (scorers/beacon.py). Pure torch, every buffer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 DUPLICATE_EPS = 1e-5
@@ -79,25 +77,21 @@ def add_points(
     """
     b, h, m_max, d = beacons.shape
     n, width, total = b * h, m_max + 1, points.shape[2]
-    device = beacons.device
     # Every buffer a row [B*H, M + 1, D]; the slot past the end takes the skipped points, so
-    # writing needs no condition. Beside it, the held points' unit vectors, computed once a
-    # call and written where the points are (each chunk compares against them).
+    # writing needs no condition.
     buf = torch.cat([beacons, beacons.new_zeros(b, h, 1, d)], dim=2).view(n, width, d)
-    units = _units(buf.float())
     count, points, valid = count.reshape(n), points.reshape(n, total, d), valid.reshape(n, total)
-    fill = _Fill(buf, units, torch.arange(m_max, device=device))
+    slots = torch.arange(m_max, device=beacons.device)
     step = m_max - beacon_min
     for start in range(0, total, step):
         chunk, ok = points[:, start : start + step].float(), valid[:, start : start + step]
         u = _units(chunk)
-        stored = chunk.to(buf.dtype)  # as held: compared from here on in this rounding
-        stored_units = u if stored.dtype == chunk.dtype else _units(stored.float())
-        new = fill.new_points(u, ok, count)
+        stored = chunk.to(buf.dtype)  # as held: what later points are compared with
+        new = _new_points(u, ok, _units(buf[:, :m_max].float()), slots < count[:, None])
         before = new.cumsum(-1) - new.long()  # points added ahead of each
         later = before >= (m_max - count)[:, None]  # after this buffer's fill: the second round
         new = new & ~later
-        count = fill.write(stored, stored_units, new, count)
+        count = _append(buf, stored, new, count)
         # Only the full buffers shrink: FPS over those alone (a pool's rows fill at different
         # steps, so most of a feed's buffers are not full). One host sync: which are full.
         which = (count == m_max).nonzero().squeeze(1)
@@ -105,65 +99,46 @@ def add_points(
             continue
         filled = buf.index_select(0, which)[:, :m_max]
         keep = farthest_point_sample(filled, beacon_min, m_max - 1)  # seeded with the newest
-        fill.keep(which, keep)
+        kept = filled.gather(1, keep[..., None].expand(-1, -1, d))
+        buf.index_copy_(0, which, torch.cat([kept, kept.new_zeros(len(which), width - beacon_min, d)], 1))
         count = count.index_fill(0, which, beacon_min)
         # The rest of their chunk, against what they kept (a point that matched a dropped
         # beacon or an earlier point of the chunk is new again).
         ok = ok.index_select(0, which) & later.index_select(0, which)
-        sub = (u.index_select(0, which), ok, count.index_select(0, which))
-        new = fill.new_points(*sub, which)
-        fill.write(stored.index_select(0, which), stored_units.index_select(0, which), new, sub[2], which)
+        new = _new_points(u.index_select(0, which), ok, _units(kept.float()), None)
+        _append(buf, stored.index_select(0, which), new, count.index_select(0, which), which)
         count = count.index_add(0, which, new.sum(-1))
     held = buf[:, :m_max].reshape(b, h, m_max, d).clone(memory_format=torch.contiguous_format)
     return held, count.reshape(b, h)  # not a view of buf
 
 
-@dataclass
-class _Fill:
-    """Buffers [N, M + 1, D] and their points' unit vectors, as `add_points` fills them; `rows`
-    [N'] restricts an operation to those buffers (all when None)."""
+def _new_points(
+    u: torch.Tensor, ok: torch.Tensor, held: torch.Tensor, in_use: torch.Tensor | None
+) -> torch.Tensor:
+    """[N, k] which of the points (unit vectors u [N, k, D], `ok` [N, k]) are new: valid, and
+    identical in direction to no held point (unit vectors `held` [N, M, D], where `in_use`
+    [N, M]; None: all) and no earlier valid point of theirs."""
+    dup = u @ held.transpose(-1, -2) >= 1.0 - DUPLICATE_EPS  # [N, k, M]
+    dup_held = (dup if in_use is None else dup & in_use[:, None, :]).any(-1)
+    k = u.shape[1]
+    same = u @ u.transpose(-1, -2) >= 1.0 - DUPLICATE_EPS
+    earlier = torch.ones(k, k, dtype=torch.bool, device=u.device).tril(-1)
+    dup_prev = (same & earlier & ok[:, None, :]).any(-1)
+    return ok & ~dup_held & ~dup_prev
 
-    buf: torch.Tensor
-    units: torch.Tensor
-    slots: torch.Tensor  # [M]
 
-    def new_points(
-        self, u: torch.Tensor, ok: torch.Tensor, count: torch.Tensor, rows: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """[N', k] which of the points (unit vectors u [N', k, D], `ok` [N', k]) are new: valid,
-        and identical in direction to no held point and no earlier valid point of theirs."""
-        m_max = len(self.slots)
-        held = self.units[:, :m_max] if rows is None else self.units.index_select(0, rows)[:, :m_max]
-        in_use = (self.slots < count[:, None])[:, None, :]  # [N', 1, M]
-        dup_held = ((u @ held.transpose(-1, -2) >= 1.0 - DUPLICATE_EPS) & in_use).any(-1)
-        k = u.shape[1]
-        same = u @ u.transpose(-1, -2) >= 1.0 - DUPLICATE_EPS
-        earlier = torch.ones(k, k, dtype=torch.bool, device=u.device).tril(-1)
-        dup_prev = (same & earlier & ok[:, None, :]).any(-1)
-        return ok & ~dup_held & ~dup_prev
-
-    def write(
-        self,
-        stored: torch.Tensor,
-        stored_units: torch.Tensor,
-        new: torch.Tensor,
-        count: torch.Tensor,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Append the `new` points [N', k] of `stored` (and their units) after each buffer's
-        `count`; returns the counts after."""
-        width, d = self.buf.shape[1], self.buf.shape[2]
-        slot = torch.where(new, count[:, None] + new.cumsum(-1) - 1, width - 1)
-        row = torch.arange(len(count), device=count.device) if rows is None else rows
-        at = (row[:, None] * width + slot).flatten()  # flat rows: index_copy_ is far faster than scatter_
-        self.buf.view(-1, d).index_copy_(0, at, stored.reshape(-1, d))
-        self.units.view(-1, d).index_copy_(0, at, stored_units.reshape(-1, d))
-        return count + new.sum(-1)
-
-    def keep(self, rows: torch.Tensor, keep: torch.Tensor) -> None:
-        """Buffers `rows` [N'] keep their points `keep` [N', m] (in that order), zeros after."""
-        width, d = self.buf.shape[1], self.buf.shape[2]
-        at = keep[..., None].expand(-1, -1, d)
-        rest = (len(rows), width - keep.shape[1], d)
-        for t in (self.buf, self.units):
-            t.index_copy_(0, rows, torch.cat([t.index_select(0, rows).gather(1, at), t.new_zeros(rest)], 1))
+def _append(
+    buf: torch.Tensor,
+    points: torch.Tensor,
+    new: torch.Tensor,
+    count: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Write the `new` points [N', k] of `points` [N', k, D] after each buffer's `count` (buffers
+    `rows` of `buf`, all when None); returns the counts after."""
+    width, d = buf.shape[1], buf.shape[2]
+    slot = torch.where(new, count[:, None] + new.cumsum(-1) - 1, width - 1)
+    row = torch.arange(len(count), device=count.device) if rows is None else rows
+    at = (row[:, None] * width + slot).flatten()  # flat rows: index_copy_ is far faster than scatter_
+    buf.view(-1, d).index_copy_(0, at, points.reshape(-1, d))
+    return count + new.sum(-1)
