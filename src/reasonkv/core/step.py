@@ -237,15 +237,17 @@ class LayerStep:
         """Budgets and targets on the device of the keys (known at the first forward)."""
         self.budgets, self.targets = self.budgets.to(device), self.targets.to(device)
 
-    def observation(self, queries, index, positions, scaling: float) -> Observation:
-        """What a scorer sees of this layer: these queries over the stored tokens."""
-        policy = self.policy
+    def observation(self, queries, index, positions, scaling: float, tokens: bool = True) -> Observation:
+        """What a scorer sees of this layer: these queries over the stored tokens (without
+        `tokens`, none: an `on_step` that reads no stored token, and a storage that makes its
+        token index when asked, vLLM's pool, does not make it every step)."""
+        policy, storage = self.policy, self.storage
         return Observation(
             queries=queries,
             query_index=index,
-            token_index=self.storage.token_index,
+            token_index=storage.token_index if tokens else None,
             scaling=scaling,
-            state=self.storage.token_state,
+            state=storage.token_state if tokens else {},
             layer_idx=self.layer_idx,
             query_positions=positions,
             rope_inv_freq=policy.rope_inv_freq,
@@ -285,7 +287,8 @@ class LayerStep:
             index, positions = self.window.label(query, first, new_valid, positions)
             storage.record_positions(index, positions)
             if self.observes_steps or self.allocator_observes:
-                step = self.observation(query.detach(), index, positions, scaling)
+                tokens = self.allocator_observes or policy.scorer.step_reads_keys
+                step = self.observation(query.detach(), index, positions, scaling, tokens)
                 needs_keys = self.allocator_observes or policy.scorer.step_needs_keys(
                     self.states.scorer, query.shape[2]
                 )

@@ -26,8 +26,10 @@ class Observation:
     observation: all W = q queries of the current forward)."""
     query_index: torch.Tensor
     """[B, W] sequence index of each observed query; -1 where there is none (padding, short prompt)."""
-    token_index: torch.Tensor
-    """[B, H, T] sequence index of each cached key; EMPTY for slots without a real token."""
+    token_index: torch.Tensor | None
+    """[B, H, T] sequence index of each cached key; EMPTY for slots without a real token. None
+    (and `state` empty) in the step observation of a scorer that reads no stored token in
+    `on_step` (`Scorer.step_reads_keys` false)."""
     scaling: float
     """The model's attention scale (1/sqrt(D) for the supported models)."""
     state: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -149,8 +149,9 @@ class Scorer(Declared):
     8-bit codes with a scale a query (8), decoded when read."""
     state_names: ClassVar[tuple[str, ...]] = ()
     step_reads_keys: ClassVar[bool] = True
-    """Whether `on_step` reads `keys`. An engine whose K/V are not at hand (vLLM's paged cache)
-    reads them for `on_step` only when this is true, and passes None otherwise."""
+    """Whether `on_step` reads the stored tokens: `keys`, and the observation's `token_index` and
+    `state`. An engine whose K/V are not at hand (vLLM's paged cache) reads them for `on_step`
+    only when this is true, and passes None otherwise (the observation's `token_index` too)."""
     state_grows: ClassVar[bool] = False
     """Whether this scorer's own memory grows with the sequence instead of being bounded by its
     settings (an ablation's unbounded buffers): no fixed-memory engine (vLLM) can host it, and
