@@ -1,5 +1,5 @@
 """No host syncs on a decode step that does not compress, for every registered method (BeaconKV's
-backlog feed aside: two syncs once every `upkeep_every` steps).
+backlog feed aside: one sync once every `upkeep_every` steps).
 
 `SyncRecorder` (tests/sync_helpers.py) records the calls that would make the host wait for a
 GPU (a value read on the host, a value-shaped op, a copy to the CPU). A decode step that does

@@ -337,8 +337,13 @@ class LayerStep:
         from the others: they are copied out, compressed, and put back in their place. The
         others are not scored, nor read for it (a pool of requests where a few compress a step)."""
         storage: RowsStorage = self.storage
-        chosen, others = rows.nonzero().squeeze(1), (~rows).nonzero().squeeze(1)
-        self.settle(chosen.tolist())  # these rows only: the others keep what they hold back
+        picked = rows.tolist()  # the one read of the split
+        chosen_rows = [r for r, yes in enumerate(picked) if yes]
+        chosen, others = (
+            torch.tensor(r, dtype=torch.long, device=rows.device)
+            for r in (chosen_rows, [r for r, yes in enumerate(picked) if not yes])
+        )
+        self.settle(chosen_rows)  # these rows only: the others keep what they hold back
         part = storage.rows_copy(chosen)
         step = self.rows_copy(chosen, part)
         if keys is not None:  # read for on_step: these rows', as wide as their longest

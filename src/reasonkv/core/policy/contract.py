@@ -34,6 +34,9 @@ class PolicyState:
             if isinstance(value, torch.Tensor):
                 setattr(self, name, value.index_select(0, rows.to(value.device)))
             elif isinstance(value, list):  # a new list: a copy of these rows never shares it
+                if len(set(value)) <= 1:  # one value for every row (lock-step): no read of `rows`
+                    setattr(self, name, value[:1] * rows.shape[0])
+                    continue
                 picked = rows.tolist() if picked is None else picked
                 setattr(self, name, [value[r] for r in picked])
 

@@ -247,7 +247,7 @@ class BeaconKVScorer(Scorer):
             return
         if step.rope_inv_freq is None:
             raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
-        if max(st.pending) + n_out > self.upkeep_every:  # the backlog cannot hold them all
+        if max(st.pending, default=0) + n_out > self.upkeep_every:  # the backlog cannot hold them all
             self.flush(st, step.rope_inv_freq, step.rope_attention_scaling)
         if n_out <= self.upkeep_every:
             # They stay in the cache's backlog until fed (pending < 0: fed ahead by `flush`).
