@@ -176,6 +176,44 @@ def test_continual_fps_equals_adding_points_one_by_one(chunks: list[int]) -> Non
     assert int(count.min()) >= m_min  # 90 points went through: every buffer shrank at least once
 
 
+@pytest.mark.parametrize(("m_max", "m_min"), [(12, 5), (6, 5), (8, 1)])
+def test_a_feed_at_mixed_fills_equals_one_point_at_a_time_around_each_shrink(m_max: int, m_min: int) -> None:
+    """Buffers at different fills take one feed (a chunk is M - beacon_min points: each buffer
+    takes its chunk up to its own fill, shrinks, then takes the rest against what it kept).
+    The feed repeats its own points: a repeat after a shrink that dropped the original is new
+    again, one whose original was kept is not; the fill point (the FPS seed) is always kept.
+    Beacon_min = M - 1 makes chunks of one point."""
+    b, h = 3, 4
+    g = torch.Generator().manual_seed(7)
+    refs = [[ReferenceBuffer(m_max, m_min) for _ in range(h)] for _ in range(b)]
+    beacons, count = torch.zeros(b, h, m_max, D), torch.zeros(b, h, dtype=torch.long)
+    warm = torch.randn(b, h, 3 * m_max, D, generator=g)
+    warm_valid = torch.rand(b, h, 3 * m_max, generator=g) > torch.linspace(0.1, 0.8, b * h).view(b, h, 1)
+    feed = torch.randn(b, h, 4 * m_max, D, generator=g)
+    for j in range(2, feed.shape[2], 2):  # every other point repeats the one two or three before
+        feed[:, :, j] = feed[:, :, j - 2 - j % 3] * 1.5
+    feed_valid = torch.ones(b, h, feed.shape[2], dtype=torch.bool)
+    readded = 0
+    for points, valid in ((warm, warm_valid), (feed, feed_valid)):
+        beacons, count = add_points(beacons, count, points, valid, m_min)
+        for bi in range(b):
+            for hi in range(h):
+                ref, seen = refs[bi][hi], []
+                for j in range(points.shape[2]):
+                    if not valid[bi, hi, j]:
+                        continue
+                    p = points[bi, hi, j].tolist()
+                    was_seen = any(cos_dist(p, q) <= DUPLICATE_EPS for q in seen)
+                    held = any(cos_dist(p, q) <= DUPLICATE_EPS for q in ref.points)
+                    readded += was_seen and not held  # its original was dropped by a shrink
+                    seen.append(p)
+                    ref.add(p)
+        assert_buffers_match(beacons, count, refs)
+        if points is warm and m_max - m_min > 1:  # (with M - 1 every full buffer holds M - 1)
+            assert len({int(c) for c in count.flatten()}) > 2, "the feed must find mixed fills"
+    assert readded, "no repeat came after its original was dropped: the second round went untested"
+
+
 def test_a_point_identical_to_a_beacon_is_never_added_twice() -> None:
     beacons, count = torch.zeros(1, 1, 8, D), torch.zeros(1, 1, dtype=torch.long)
     p = torch.randn(D, generator=torch.Generator().manual_seed(3))
