@@ -112,7 +112,7 @@ class BeaconState(PolicyState):
         """The held beacons as vectors [B, X, M, D] (fp32 when stored as codes)."""
         return self.beacons if self.scale is None else decode_vectors(self.beacons, self.scale)
 
-    def hold(self, points: torch.Tensor, count: torch.Tensor, rows: list[int] | None = None) -> None:
+    def hold(self, points: torch.Tensor, count: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Keep `points` [B, X, M, D] as the buffers (as codes again, scales in the model's dtype,
         when they are codes); with `rows`, as those rows' buffers only."""
         scale = None
@@ -121,17 +121,16 @@ class BeaconState(PolicyState):
         if rows is None:
             self.beacons, self.scale, self.count = points, scale, count
             return
-        at = torch.tensor(rows, device=count.device)
 
         def put(held: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
             width = max(held.shape[2], new.shape[2])  # buffers that grow (an ablation's)
             held, new = (F.pad(t, (0, 0, 0, width - t.shape[2])) for t in (held, new))
-            return held.index_copy(0, at, new.to(held.dtype))
+            return held.index_copy(0, rows, new.to(held.dtype))
 
         self.beacons = put(self.beacons, points)
         if scale is not None:
             self.scale = put(self.scale, scale)
-        self.count = self.count.index_copy(0, at, count)
+        self.count = self.count.index_copy(0, rows, count)
 
 
 @dataclass
@@ -291,6 +290,7 @@ class BeaconKVScorer(Scorer):
         """
         forward, q = state.forwards, state.step_size
         fed, queues = [], []
+        at = None if rows is None else torch.tensor(rows, device=state.count.device)  # one copy a feed
         for st in state.group:
             if not isinstance(st, BeaconState) or st.window.size == 0:  # no forward kept yet
                 continue
@@ -317,12 +317,11 @@ class BeaconKVScorer(Scorer):
                     st.pending[r] = p
             fed.append(st)
             span = win.span(start, end)  # decodes only the queued queries of 8-bit windows
-            if rows is not None:
-                at = torch.tensor(rows, device=span[1].device)
-                span = tuple(t.index_select(0, at) for t in span)
+            if at is not None:
+                span = tuple(t.index_select(0, at.to(t.device)) for t in span)
             queues.append((*span, [most - p for p in pending]))
         if fed:
-            self._feed(fed, queues, inv_freq, attention_scaling, rows)
+            self._feed(fed, queues, inv_freq, attention_scaling, at)
 
     def _feed(
         self,
@@ -330,19 +329,18 @@ class BeaconKVScorer(Scorer):
         queues: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple],
         inv_freq: torch.Tensor | None,
         attention_scaling: float,
-        rows: list[int] | None = None,
+        rows: torch.Tensor | None = None,
     ) -> None:
         """Feed each layer's queue of leaving queries [B, Hq, n, D], with their indices and
         positions [B, n], into its buffers, all in one pass. A queue may carry a fourth part:
         how many of its first queries each row skips (fed before). With `rows`, the queues
-        are those rows' and so are the buffers fed."""
+        are those rows' ([R'] indices) and so are the buffers fed."""
         if inv_freq is None:
             raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
         queues = [_skipping(*q) for q in queues]
-        at = None if rows is None else torch.tensor(rows, device=queues[0][1].device)
 
         def picked(t: torch.Tensor) -> torch.Tensor:
-            return t if at is None else t.index_select(0, at.to(t.device))
+            return t if rows is None else t.index_select(0, rows.to(t.device))
 
         n = max(q[1].shape[1] for q in queues)
         if all(q[1].shape[1] == n for q in queues):
