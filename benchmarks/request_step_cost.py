@@ -43,7 +43,7 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from reasonkv.cli.common import CliError, parse_method_entry
 from reasonkv.core.models import ModelShape
-from reasonkv.serving.vllm.settings import ServingSettings
+from reasonkv.methods.resolved import ResolvedMethod, resolve_method
 from reasonkv.serving.vllm.worker_state import StepBatch, WorkerState
 
 SHAPE = ModelShape("SmolLM2-135M", "llama", n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64)
@@ -52,20 +52,19 @@ BLOCK = 128
 STAGGER_SPAN = 128  # one SnapKV interval: staggered prompts spread the compressions over it
 
 
-def parse_method(text: str) -> ServingSettings:
+def parse_method(text: str) -> tuple[str, dict]:
     """`name[:knob=value...]`, read as the CLI reads a method entry."""
     try:
-        name, knobs = parse_method_entry(text)
+        return parse_method_entry(text)
     except CliError as error:
         raise SystemExit(f"request_step_cost: {error}") from None
-    return ServingSettings(name, 0, knobs)
 
 
 class Engine:
     """The pieces of a running engine the adapter touches: a paged cache per layer, each
     request's blocks and logical length, and the runner's per-step bookkeeping."""
 
-    def __init__(self, settings: ServingSettings, requests: int, length: int, seed: int) -> None:
+    def __init__(self, settings: ResolvedMethod, requests: int, length: int, seed: int) -> None:
         dtype = torch.bfloat16
         self.isa = _get_attn_isa(dtype, BLOCK, SHAPE.head_dim)
         self.layer = SimpleNamespace(
@@ -107,7 +106,7 @@ class Engine:
 
 
 def measure(
-    settings: ServingSettings,
+    entry: tuple[str, dict],
     requests: int,
     budget: int,
     warmup: int,
@@ -117,7 +116,7 @@ def measure(
     stagger: int = 0,
 ) -> dict:
     """The timed steps' mean; with `profile`, it records them (and only them)."""
-    settings = ServingSettings(settings.method, budget, settings.knobs)
+    settings = resolve_method(entry[0], budget, entry[1])
     prompts = [budget + (stagger * r) % STAGGER_SPAN for r in range(requests)]
     engine = Engine(settings, requests, max(prompts) + warmup + steps + 1, seed)
     engine.step(prompts, prompts, engine.queries(prompts))  # the prompts, each held whole
@@ -139,8 +138,9 @@ def measure(
     return {"ms_per_step": ms, "ms_per_request": ms / requests, "held_after": max(held)}
 
 
-def label(settings: ServingSettings) -> str:
-    return ":".join([settings.method] + [f"{k}={v}" for k, v in settings.knobs.items()])
+def label(entry: tuple[str, dict]) -> str:
+    name, knobs = entry
+    return ":".join([name] + [f"{k}={v}" for k, v in knobs.items()])
 
 
 def main() -> None:
@@ -169,13 +169,13 @@ def main() -> None:
     print(
         f"{'method':<36} {'requests':>8} {'ms/step':>10} {'ms/request':>11} {'vs 1 request':>13}", flush=True
     )
-    for settings in methods:
+    for entry in methods:
         alone = None
         for n in counts:
-            row = {"method": label(settings), "requests": n}
+            row = {"method": label(entry), "requests": n}
             profile = cProfile.Profile() if args.profile else None
             row.update(
-                measure(settings, n, args.budget, args.warmup, args.steps, args.seed, profile, args.stagger)
+                measure(entry, n, args.budget, args.warmup, args.steps, args.seed, profile, args.stagger)
             )
             alone = row["ms_per_request"] if alone is None and n == 1 else alone
             row["per_request_vs_one"] = None if alone is None else row["ms_per_request"] / alone

@@ -4,6 +4,7 @@ from reasonkv.core.cache import CompressedCache
 from reasonkv.core.models import DEFAULT_MODEL, UnsupportedModelError, load_model
 from reasonkv.methods.api import CacheFactory, compressed_pipeline, generate, install_attention, make_cache
 from reasonkv.methods.registry import available_methods, get_method
+from reasonkv.methods.resolved import ResolvedMethod, resolve_method
 from reasonkv.util.version import package_version
 
 __version__ = package_version()
@@ -12,6 +13,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "CacheFactory",
     "CompressedCache",
+    "ResolvedMethod",
     "UnsupportedModelError",
     "available_methods",
     "compressed_pipeline",
@@ -20,4 +22,5 @@ __all__ = [
     "install_attention",
     "load_model",
     "make_cache",
+    "resolve_method",
 ]

@@ -182,9 +182,9 @@ def test_budget_below_protected_window_is_a_clean_error(fake_loader):
 def test_generate_passes_method_budget_and_knobs_to_the_cache(fake_loader, monkeypatch):
     made = []
 
-    def spy_make_cache(model, method, budget, **knobs):
-        cache = reasonkv.make_cache(model, method, budget, **knobs)
-        made.append((method, budget, knobs, cache))
+    def spy_make_cache(model, resolved):
+        cache = reasonkv.make_cache(model, resolved)
+        made.append((resolved.name, resolved.budget, dict(resolved.knobs), cache))
         return cache
 
     monkeypatch.setattr(generate_cli, "make_cache", spy_make_cache)

@@ -17,8 +17,7 @@ from reasonkv.core.policy.allocators.reasonalloc import layer_budgets
 from reasonkv.core.policy.base import pool_tokens
 from reasonkv.core.policy.knob import Bounds, knob
 from reasonkv.core.policy.schedules import MaxMinThreshold, Schedule
-from reasonkv.methods.api import _min_budget
-from reasonkv.methods.knobs import KnobError, check_budget, check_knobs, knob_rule
+from reasonkv.methods.knobs import KnobError, check_budget, check_knobs, knob_rule, min_budget
 from reasonkv.methods.registry import METHODS
 
 
@@ -52,7 +51,7 @@ def test_min_budget_is_a_bounded_search() -> None:
     """A schedule whose target never reaches the protected window: an error, quickly, not an
     endless loop."""
     with time_limit(5), pytest.raises(ValueError, match="no budget up to 10\\^9"):
-        _min_budget(KeepsNothing(), 20)
+        min_budget(KeepsNothing(), 20)
     with pytest.raises(ValueError, match=r"^fraction must be in \(0, 1\), got 1.0"):
         MaxMinThreshold(fraction=1.0)
 
@@ -61,7 +60,7 @@ def test_min_budget_is_a_bounded_search() -> None:
 @pytest.mark.parametrize("protected", [0, 1, 7, 20, 333])
 def test_min_budget_is_the_smallest_budget_that_keeps_the_window(fraction: float, protected: int) -> None:
     schedule = MaxMinThreshold(fraction=fraction)
-    found = _min_budget(schedule, protected)
+    found = min_budget(schedule, protected)
     assert schedule.target(found) >= protected
     assert found == max(protected, 1) or schedule.target(found - 1) < protected
 

@@ -7,6 +7,7 @@ import pytest
 from reasonkv.core.models import ModelShape
 from reasonkv.methods.api import build_policy
 from reasonkv.methods.knobs import KnobError
+from reasonkv.methods.resolved import resolve_method
 from reasonkv.serving.request_limits import check_fits
 
 # 4 query heads over 2 KV heads: one uncompressed request of 1024 tokens holds 2 * 2 * 1024 =
@@ -17,8 +18,9 @@ WAIT = 8
 
 
 def fits(method: str, budget: int, **knobs) -> None:
-    _, policy = build_policy(method, budget, SHAPE, None, 1.0, **knobs)
-    check_fits(method, budget, knobs, policy, SHAPE, MAX_LEN, WAIT)
+    resolved = resolve_method(method, budget, knobs)
+    _, policy = build_policy(resolved, SHAPE)
+    check_fits(resolved, policy, SHAPE, MAX_LEN, WAIT)
 
 
 def test_a_token_count_knob_is_at_most_max_model_len() -> None:

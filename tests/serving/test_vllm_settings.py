@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 
 from reasonkv.methods.knobs import KnobError
-from reasonkv.serving.vllm.settings import ServingSettings, read_settings, request_settings
+from reasonkv.methods.resolved import resolve_method
+from reasonkv.serving.vllm.settings import read_settings, request_settings
 
 
 def test_no_entry_is_off_and_an_entry_is_checked() -> None:
     assert read_settings({}) is None and read_settings(None) is None
     got = read_settings({"reasonkv": {"method": "snapkv", "budget": 64, "interval": 32}})
-    assert got == ServingSettings("snapkv", 64, {"interval": 32})
+    assert got == resolve_method("snapkv", 64, {"interval": 32})
 
 
 @pytest.mark.parametrize(
@@ -39,19 +40,19 @@ def test_what_it_cannot_run_is_one_line(entry, words: str) -> None:
     assert "\n" not in str(err.value)
 
 
-ENGINE = ServingSettings("snapkv", 64, {"interval": 32})
+ENGINE = resolve_method("snapkv", 64, {"interval": 32})
 
 
 def test_a_request_entry_goes_over_the_engine_settings() -> None:
     assert request_settings(ENGINE, None) is ENGINE
     assert request_settings(ENGINE, {"other": 1}) is ENGINE
-    assert request_settings(ENGINE, {"reasonkv": {"budget": 128}}) == ServingSettings(
+    assert request_settings(ENGINE, {"reasonkv": {"budget": 128}}) == resolve_method(
         "snapkv", 128, {"interval": 32}
     )
     other = request_settings(ENGINE, {"reasonkv": {"method": "streaming", "budget": 32}})
-    assert other == ServingSettings("streaming", 32, {})  # another method: the engine's knobs stay behind
+    assert other == resolve_method("streaming", 32, {})  # another method: the engine's knobs stay behind
     assert request_settings(ENGINE, {"reasonkv": False}) is None
-    assert request_settings(ENGINE, {"reasonkv": '{"budget": 96}'}) == ServingSettings(
+    assert request_settings(ENGINE, {"reasonkv": '{"budget": 96}'}) == resolve_method(
         "snapkv", 96, {"interval": 32}
     )
 

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 from reasonkv.core.models import ModelShape  # noqa: E402
 from reasonkv.core.policy.base import EMPTY  # noqa: E402
-from reasonkv.serving.vllm.settings import ServingSettings  # noqa: E402
+from reasonkv.methods.resolved import ResolvedMethod, resolve_method  # noqa: E402
 from reasonkv.serving.vllm.worker_state import POLICIES_HELD, StepBatch, WorkerState  # noqa: E402
 from sync_helpers import SyncRecorder  # noqa: E402
 
@@ -25,15 +25,15 @@ def test_ten_thousand_distinct_settings_hold_the_workers_memory_flat() -> None:
     """Every request may bring its own budget: the worker reuses the policies of recent settings
     and forgets the least recently used, so 10,000 distinct ones hold what 1,000 do."""
     rope = (1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)), 1.0)
-    state = WorkerState(ServingSettings("snapkv", 64, {"interval": 16}), SHAPE, rope, block_size=16)
-    engine = state.policy_for(ServingSettings("snapkv", 64, {"interval": 16}))
+    state = WorkerState(resolve_method("snapkv", 64, {"interval": 16}), SHAPE, rope, block_size=16)
+    engine = state.policy_for(resolve_method("snapkv", 64, {"interval": 16}))
     tracemalloc.start()
     try:
         for i in range(10_000):
             if i == 1_000:
                 gc.collect()
                 after_1k = tracemalloc.get_traced_memory()[0]
-            state.policy_for(ServingSettings("snapkv", 64 + i, {"interval": 16}))
+            state.policy_for(resolve_method("snapkv", 64 + i, {"interval": 16}))
             assert len(state.policy_for) <= POLICIES_HELD
         gc.collect()
         after_10k = tracemalloc.get_traced_memory()[0]
@@ -41,9 +41,9 @@ def test_ten_thousand_distinct_settings_hold_the_workers_memory_flat() -> None:
         tracemalloc.stop()
     assert after_10k - after_1k < 256 * 1024, (after_1k, after_10k)  # flat: not 9,000 more policies
     # The same setting is the same policy while held, and a fresh build (an equal one) after.
-    again = state.policy_for(ServingSettings("snapkv", 64 + 9_999, {"interval": 16}))
-    assert again is state.policy_for(ServingSettings("snapkv", 64 + 9_999, {"interval": 16}))
-    rebuilt = state.policy_for(ServingSettings("snapkv", 64, {"interval": 16}))
+    again = state.policy_for(resolve_method("snapkv", 64 + 9_999, {"interval": 16}))
+    assert again is state.policy_for(resolve_method("snapkv", 64 + 9_999, {"interval": 16}))
+    rebuilt = state.policy_for(resolve_method("snapkv", 64, {"interval": 16}))
     assert rebuilt is not engine and torch.equal(rebuilt[0], engine[0])
 
 
@@ -53,7 +53,7 @@ def test_the_attention_call_only_copies_the_queries() -> None:
     the copy (the engine may reuse its query buffer), and a layer whose count is not the step's
     is an error, never a silent skip."""
     rope = (1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)), 1.0)
-    state = WorkerState(ServingSettings("snapkv", 64, {"interval": 16}), SHAPE, rope, block_size=16)
+    state = WorkerState(resolve_method("snapkv", 64, {"interval": 16}), SHAPE, rope, block_size=16)
     blocks = [torch.tensor([0]), torch.tensor([1])]
     state.begin_step(StepBatch(["a", "b"], [0, 0], [3, 1], [3, 1], [None, None], blocks, torch.arange(4)))
     query = torch.randn(4, 4, 16)
@@ -96,7 +96,7 @@ class Paged:
     """A worker over a real vLLM CPU paged cache a layer: each step writes the new tokens' K/V
     with vLLM's own op at their physical slots, as the runner does, then runs the adapter."""
 
-    def __init__(self, settings: ServingSettings, requests: list[str]) -> None:
+    def __init__(self, settings: ResolvedMethod, requests: list[str]) -> None:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         rope = (1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)), 1.0)
@@ -175,7 +175,7 @@ def test_a_pool_of_requests_keeps_what_each_request_keeps_alone(method, budget, 
     compress are scored apart. Every request
     keeps, at every step and layer, what it keeps run alone by its own worker, and its blocks
     hold the same bytes."""
-    settings = ServingSettings(method, budget, knobs)
+    settings = resolve_method(method, budget, knobs)
     pooled = Paged(settings, sorted(SCHEDULE))
     alone = {rid: Paged(settings, [rid]) for rid in SCHEDULE}
     steps, compressed, split = 34, set(), 0

@@ -24,9 +24,9 @@ from reasonkv.core.models import resolve_device, resolve_dtype
 from reasonkv.core.policy.knob import MAX_TOKENS
 from reasonkv.core.random_models import RANDOM_MODELS
 from reasonkv.harness.record_knobs import record_knobs
-from reasonkv.harness.replay import ReplayRun
+from reasonkv.harness.replay_run import ReplayRun
 from reasonkv.methods.api import make_cache
-from reasonkv.methods.knobs import check_budget, knobs_for_methods
+from reasonkv.methods.knobs import knobs_for_methods
 from reasonkv.methods.registry import get_method
 from reasonkv.util.progress import LineProgress, progress_for
 from reasonkv.util.runtime import quiet_loading
@@ -200,9 +200,10 @@ def build_runs(methods: list[str], budgets: list[int], knobs: dict[str, object])
         if not get_method(name).compresses:
             runs.append(ReplayRun(name, None, own, tag))
             continue
-        for b in budgets:
-            check_budget(get_method(name), b, own)
-        runs += [ReplayRun(name, b, own, tag) for b in budgets]
+        made = [ReplayRun(name, b, own, tag) for b in budgets]
+        for run in made:
+            run.resolved  # noqa: B018 (resolved now, kept for its caches: a bad budget fails here)
+        runs += made
     return runs
 
 
@@ -210,7 +211,7 @@ def check_runs_build(model, runs: list[ReplayRun]) -> None:
     """Build each run's cache once and drop it, so a bad budget (below the protected window)
     or knob fails with a one-line error before any slow work."""
     for run in runs:
-        make_cache(model, run.method, run.budget, **run.knobs)
+        make_cache(model, run.resolved)
 
 
 # ----------------------------------------------------------------- output

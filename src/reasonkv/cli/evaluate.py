@@ -39,8 +39,8 @@ from reasonkv.harness.answers import FALLBACK_WARNING, STRING_MATCH, grader
 from reasonkv.harness.datasets import DATA_DIR_ENV, KNOWN, load_problems_from
 from reasonkv.harness.sweep.log import git_info, versions
 from reasonkv.methods.api import make_cache
-from reasonkv.methods.knobs import check_budget, check_knobs
 from reasonkv.methods.registry import get_method
+from reasonkv.methods.resolved import resolve_method
 from reasonkv.util.formatting import format_bytes
 from reasonkv.util.records import utc_timestamp, write_json_atomic, write_jsonl_atomic
 from reasonkv.util.runtime import set_threads
@@ -173,9 +173,7 @@ def eval_command(
     N --sample), each with a bootstrap standard error, mean length and truncation. Decodes
     greedily unless --sample."""
     try:
-        spec = get_method(method)
-        knobs = check_knobs(spec, parse_sets(sets))
-        check_budget(spec, budget, knobs)
+        resolved = resolve_method(method, budget, parse_sets(sets))
         if min(samples, max_new_tokens, batch_size) <= 0:
             raise CliError("--samples, --max-new-tokens and --batch-size must be positive")
         if not sample and samples > 1:
@@ -194,7 +192,7 @@ def eval_command(
         set_threads()
         with loading_status(model_name):
             model, tokenizer = load_model(model_name, attn_implementation=attn, **where)
-        make_cache(model, method, budget, **knobs)  # e.g. a budget below the protected window
+        make_cache(model, resolved)  # e.g. a layer's budget below the protected window
     except (CliError, ValueError, FileNotFoundError) as err:
         fail(str(err))
 
@@ -208,9 +206,7 @@ def eval_command(
             model,
             tokenizer,
             problems,
-            method,
-            budget,
-            knobs,
+            resolved,
             n_samples=samples,
             greedy=not sample,
             temperature=temperature,
@@ -230,7 +226,7 @@ def eval_command(
         "ids": id_list,
         "method": method,
         "budget": budget,
-        "knobs": knobs,
+        "knobs": dict(resolved.knobs),
         "samples": samples,
         "greedy": not sample,
         "temperature": None if not sample else temperature,

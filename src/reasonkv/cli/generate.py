@@ -33,8 +33,8 @@ from reasonkv.harness.demo import memory_summary, run_demo
 from reasonkv.harness.runs import record_all_events, run_record, save_run
 from reasonkv.methods.api import GREEDY, make_cache
 from reasonkv.methods.api import generate as generate_text
-from reasonkv.methods.knobs import check_budget, check_knobs
 from reasonkv.methods.registry import get_method
+from reasonkv.methods.resolved import resolve_method
 from reasonkv.util.formatting import format_bytes
 from reasonkv.util.records import not_utf8
 from reasonkv.util.runtime import set_threads
@@ -82,15 +82,14 @@ def generate_command(
 ) -> None:
     """Generate a reply with a compressed KV cache and report what the cache holds."""
     try:
-        spec = get_method(method)
-        knobs = check_knobs(spec, parse_sets(sets))
+        knobs = parse_sets(sets)
         if profile is not None:
-            if "profile" not in spec.knobs():
+            if "profile" not in get_method(method).knobs():  # clearer than "unknown parameter"
                 raise CliError(f"--profile is for profile-driven methods (reasonalloc-*), not {method!r}")
             if not profile.exists():
                 raise CliError(f"no profile at {profile}")
-            knobs = check_knobs(spec, {**knobs, "profile": str(profile)})  # reads the profile now
-        check_budget(spec, budget, knobs)
+            knobs["profile"] = str(profile)
+        resolved = resolve_method(method, budget, knobs)  # reads the profile now
         if not prompt:
             raise CliError("the prompt is empty: give the text to answer (or, with --raw, to continue)")
         if (why := not_utf8(prompt)) is not None:
@@ -102,7 +101,7 @@ def generate_command(
         set_threads()
         with loading_status(model_name):
             model, tokenizer = load_model(model_name, attn_implementation=attn, **where)
-        cache = make_cache(model, method, budget, **knobs)
+        cache = make_cache(model, resolved)
         if record is not None:
             record_all_events(cache)  # `reasonkv plot budgets` draws every compression
     except (CliError, ValueError, FileNotFoundError) as err:
@@ -123,14 +122,20 @@ def generate_command(
     mem = memory_summary(cache)
     n_new = int(new_tokens.shape[1])
     console.print(
-        f"[dim]{method} budget={budget if spec.compresses else '-'}: {n_new} new tokens, "
+        f"[dim]{method} budget={budget if resolved.compresses else '-'}: {n_new} new tokens, "
         f"{n_new / max(elapsed, 1e-9):.1f} tok/s | KV {format_bytes(mem['kv_bytes'])} "
         f"(physical {format_bytes(mem['physical_bytes'])}) | mean live tokens/head {mem['live_mean']:.1f} | "
         f"seen {mem['seen_tokens']} | compressions/layer {mem['compressions']:g}[/dim]",
         soft_wrap=True,
     )
     if record is not None:
-        meta = {"model": model_name, "budget": budget, "knobs": knobs, "prompt": prompt, "new_tokens": n_new}
+        meta = {
+            "model": model_name,
+            "budget": budget,
+            "knobs": dict(resolved.knobs),
+            "prompt": prompt,
+            "new_tokens": n_new,
+        }
         save_run(run_record(cache, **meta), record)
         console.print(f"[dim]run saved to {record} (plot it: reasonkv plot budgets {record})[/dim]")
 

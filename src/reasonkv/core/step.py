@@ -63,6 +63,11 @@ class LayerPolicy:
     """How the layers store K/V (None or kv_bits 16: as the model computes them)."""
 
     @property
+    def protected(self) -> int:
+        """The tokens a head always keeps once full: sinks and the newest."""
+        return self.n_sink + self.n_recent
+
+    @property
     def joins_rows(self) -> bool:
         """Whether one state of this policy may hold rows at different positions (a serving
         engine's pool of requests): its scorer's and schedule's counters allow it."""
@@ -323,9 +328,7 @@ class LayerStep:
             scores = policy.scorer.score(obs, keys, values)
         keep = schedule.keep(self, self.states.schedule)
         if policy.head_allocator is not None:
-            request = SplitRequest(
-                keep.sum(-1), obs, scores, storage.n_valid, keys, policy.n_sink + policy.n_recent, rows
-            )
+            request = SplitRequest(keep.sum(-1), obs, scores, storage.n_valid, keys, policy.protected, rows)
             with self.timer.section("split"):
                 keep = policy.head_allocator.split(request, self.states.head_allocator)
         keep = torch.where(rows[:, None], keep, storage.n_valid)

@@ -22,6 +22,7 @@ from reasonkv.core.hf_compat import cache_arg
 from reasonkv.harness.answers import extract_boxed, grader, is_correct
 from reasonkv.harness.eval_stats import aggregate
 from reasonkv.methods.api import GREEDY, make_cache
+from reasonkv.methods.resolved import ResolvedMethod, resolve_method
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 THINK_CLOSE = "\n</think>\n\n"
@@ -141,7 +142,7 @@ def evaluate(
     model,
     tokenizer,
     problems: list[dict],
-    method: str = "snapkv",
+    method: str | ResolvedMethod = "snapkv",
     budget: int | None = 128,
     knobs: dict | None = None,
     n_samples: int = 1,
@@ -155,7 +156,8 @@ def evaluate(
     progress: Callable[[int, int, str], None] | None = None,
 ) -> dict:
     """Generate n_samples completions per problem (rows of id, problem, answer) under `method`
-    at `budget` and score them.
+    at `budget` and score them (`method` may be a `resolve_method` value: then it holds the
+    budget and knobs, and those given here are not read).
 
     pass@1 is the mean correctness over every sample of every problem; with n_samples > 1,
     pass@k and maj@k too (eval_stats), and every aggregate has a bootstrap standard error
@@ -165,7 +167,8 @@ def evaluate(
     cap the thinking part of a thinking model, see _think_then_answer; max_new_tokens stays
     the cap on everything generated. progress(done, total, last problem id) after each call.
     """
-    knobs = dict(knobs or {})
+    resolved = method if isinstance(method, ResolvedMethod) else resolve_method(method, budget, knobs)
+    method, budget, knobs = resolved.name, resolved.budget, dict(resolved.knobs)
     if n_samples < 1 or batch_size < 1 or max_new_tokens < 1:
         raise ValueError("n_samples, batch_size and max_new_tokens must be positive")
     if greedy and n_samples > 1:
@@ -174,7 +177,7 @@ def evaluate(
         if not 0 < think_budget < max_new_tokens:
             raise ValueError(f"think_budget must be in 1..max_new_tokens-1, got {think_budget}")
         batch_size = 1  # the continuation step is per sequence
-    make_cache(model, method, budget, **knobs)  # fail on a bad method/knob before any generation
+    make_cache(model, resolved)  # fail on what needs the model before any generation
 
     eos = eos_ids(model, tokenizer)
     pad = getattr(tokenizer, "pad_token_id", None)
@@ -195,7 +198,7 @@ def evaluate(
         prompts = [build_prompt(tokenizer, problems[p]["problem"]) for p, _ in batch]
         inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)
         inputs = {k: v.to(model.device) for k, v in inputs.items()}
-        cache = make_cache(model, method, budget, **knobs)
+        cache = make_cache(model, resolved)
         torch.manual_seed(seed * 1_000_003 + start)
         began = time.perf_counter()
         with torch.no_grad():

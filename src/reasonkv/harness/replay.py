@@ -32,9 +32,9 @@ from reasonkv.core.cache import CompressedCache
 from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import max_positions
 from reasonkv.harness.replay_plot import plot_fidelity  # noqa: F401 (its old home: callers import it here)
+from reasonkv.harness.replay_run import ReplayRun
 from reasonkv.harness.traces import ReplayInput, check_replay_input
 from reasonkv.methods.api import make_cache
-from reasonkv.methods.registry import get_method
 
 BLOCK = 256
 """Reference block (and the chunk of never-compressing caches): tokens per full-cache forward."""
@@ -108,31 +108,6 @@ STATE_PEAKS = (
     "decode_peak_state_bytes_16bit",
 )
 """The per-sequence peaks of everything a cache holds, as a replay result and a sweep record name them."""
-
-
-@dataclass(frozen=True)
-class ReplayRun:
-    """One method setting to replay: method name, budget (None for `full`), knobs."""
-
-    method: str
-    budget: int | None = None
-    knobs: dict = field(default_factory=dict)
-    tag: str = ""
-    """Knobs this run alone was given (e.g. ":kv_bits=4"), so that two settings of one method
-    have two labels."""
-
-    @property
-    def name(self) -> str:
-        """The method with the knobs this run alone was given: "snapkv:kv_bits=4"."""
-        return self.method + self.tag
-
-    @property
-    def label(self) -> str:
-        return self.name if self.budget is None else f"{self.name}@{self.budget}"
-
-    def to_dict(self) -> dict:
-        """The run as saved in every record: method, budget, knobs."""
-        return {"method": self.method, "budget": self.budget, "knobs": dict(self.knobs)}
 
 
 @dataclass
@@ -381,8 +356,7 @@ def replay_batch(
     rows = len(inputs)
     lanes = []
     for run in runs:
-        budget = run.budget if get_method(run.method).compresses else None
-        lanes.append(_Lane(run, make_cache(model, run.method, budget, **run.knobs), stepwise))
+        lanes.append(_Lane(run, make_cache(model, run.resolved), stepwise))
     reference = make_cache(model, "full", None)
     p0 = batch.prompt_cols
     # The reference keeps 2 × [rows, block, V] floats per block: a batch takes narrower blocks.

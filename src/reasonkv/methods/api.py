@@ -16,18 +16,10 @@ from reasonkv.core import attention
 from reasonkv.core.cache import CompressedCache, LayerPolicy
 from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import ModelShape, attention_modules, model_shape
-from reasonkv.core.policy.knob import MAX_TOKENS
 from reasonkv.core.storage_pays import storage_refusal
-from reasonkv.methods.knobs import (
-    KnobError,
-    at_budget,
-    build_parts,
-    check_budget,
-    check_knobs,
-    check_protected_window,
-)
+from reasonkv.methods.knobs import KnobError
 from reasonkv.methods.profiles import find_profile, load_profile
-from reasonkv.methods.registry import get_method
+from reasonkv.methods.resolved import ResolvedMethod, resolve_method
 
 
 def install_attention(model) -> str:
@@ -86,25 +78,6 @@ def _demand_loader(model):
     return load
 
 
-def _min_budget(schedule, protected: int) -> int:
-    """The smallest per-head budget whose post-compression size still holds the protected
-    window (allocators that move budget between layers must not go below it). A bounded
-    search (targets do not shrink as budgets grow: doubling, then halving the gap), so a
-    schedule that never keeps enough is an error, not a hang."""
-    low = high = max(protected, 1)
-    while schedule.target(high) < protected:
-        if high >= MAX_TOKENS:
-            raise KnobError(
-                f"no budget up to 10^9 tokens keeps the protected window of {protected} tokens "
-                f"after compressing with {schedule.describe()}"
-            )
-        low, high = high + 1, min(2 * high, MAX_TOKENS)
-    while low < high:  # target(high) >= protected; the answer is in [low, high]
-        mid = (low + high) // 2
-        low, high = (low, mid) if schedule.target(mid) >= protected else (mid + 1, high)
-    return high
-
-
 _STORAGE_CHECKED = contextvars.ContextVar("reasonkv_storage_checked", default=True)
 
 
@@ -121,92 +94,80 @@ def unchecked_storage() -> Iterator[None]:
         _STORAGE_CHECKED.reset(token)
 
 
-def make_cache(model, method: str = "snapkv", budget: int | None = 128, **overrides) -> CompressedCache:
+def make_cache(
+    model, method: str | ResolvedMethod = "snapkv", budget: int | None = 128, **overrides
+) -> CompressedCache:
     """A transformers Cache that compresses with `method` at `budget` tokens per KV head.
 
     Also installs reasonkv's attention function on `model` (same backend as before; it
     behaves exactly like the stock one when used without a CompressedCache). Parameters of
     the method (see `reasonkv methods`) are set by keyword, e.g. `window=16`. `method` may be
-    a preset (`beaconkv-int4`, methods/presets.py): its method with its knobs, yours over them.
+    a preset (`beaconkv-int4`, methods/presets.py): its method with its knobs, yours over them;
+    or a value of `resolve_method` (then give no budget or knobs here: it holds them).
 
     Quantized storage (kv_bits < 16) that would never quantize a token at this budget, or that
     would hold more K/V while decoding than the same cache at 16 bits, is refused (a KnobError
     that says what to change; `core.storage_pays`; `unchecked_storage` lifts that). Left
     unset, `residual` is a quarter of the budget, at most 32 (`quantize.default_residual`).
     """
+    if isinstance(method, ResolvedMethod):
+        if overrides:
+            raise TypeError(f"make_cache got a resolved method and knobs ({', '.join(overrides)}): "
+                            "put them in resolve_method")  # fmt: skip
+        resolved = method
+    else:
+        resolved = resolve_method(method, budget, overrides)
     rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
     budgets, policy = build_policy(
-        method,
-        budget,
+        resolved,
         model_shape(model),
         getattr(rotary, "inv_freq", None),
         float(getattr(rotary, "attention_scaling", 1.0)),
         _demand_loader(model),
-        **overrides,
     )
     install_attention(model)
     modules = attention_modules(model)
-    name = get_method(method).preset_of or method  # a preset's cache is its method's
     return CompressedCache(
-        budgets, policy, method=name, attention_modules=modules, scaling=float(modules[0].scaling)
+        budgets, policy, method=resolved.method, attention_modules=modules, scaling=float(modules[0].scaling)
     )
 
 
 def build_policy(
-    method: str,
-    budget: int | None,
+    resolved: ResolvedMethod,
     shape: ModelShape,
-    rope_inv_freq: torch.Tensor | None,
+    rope_inv_freq: torch.Tensor | None = None,
     rope_attention_scaling: float = 1.0,
     load_demand: Callable[[str | None], list[float]] | None = None,
-    **overrides: Any,
 ) -> tuple[torch.Tensor, LayerPolicy]:
-    """The budgets [layers, KV heads] and the checked `LayerPolicy` of `method` for a model of
+    """The budgets [layers, KV heads] and the `LayerPolicy` of a resolved method for a model of
     `shape`: what `make_cache` builds its cache from, and what a serving engine's adapter runs.
-    Knobs are checked as everywhere else (a KnobError in one line)."""
-    spec = get_method(method)
-    knobs = check_knobs(spec, overrides)  # a preset's knobs under the caller's, errors naming it
-    if spec.preset_of is not None:  # then the very cache its method with those knobs builds
-        spec = get_method(spec.preset_of)
-    budget = check_budget(spec, budget, knobs)
-    parts = build_parts(spec, at_budget(spec, budget, knobs))
-    protected = parts.protected
-    stats = {"min_budget": _min_budget(parts.schedule, protected), "load_demand": load_demand}
-    budgets = parts.allocator.allocate(shape.n_layers, shape.n_kv_heads, budget, stats).long()
-    if spec.compresses:
-        smallest = min(parts.schedule.target(int(b)) for b in budgets.flatten().tolist())
-        check_protected_window(spec, budget, smallest, protected)
+    Only what needs the model is checked here (a KnobError in one line): each layer's budget
+    against the protected window, the head dim, whether quantized storage pays, RoPE."""
+    spec, budget, policy, knobs = resolved.spec, resolved.budget, resolved.policy, resolved.knobs
+    budgets = resolved.layer_budgets(shape.n_layers, shape.n_kv_heads, load_demand)
+    storage = policy.kv_format
     try:
-        parts.storage.check_head_dim(shape.head_dim)
+        storage.check_head_dim(shape.head_dim)
     except ValueError as err:
-        raise KnobError(f"parameters of {method!r} do not fit the model: {err}") from None
-    if spec.compresses and _STORAGE_CHECKED.get():
-        plans = [parts.schedule.plan([int(b) for b in layer.tolist()]) for layer in budgets]
+        raise KnobError(f"parameters of {resolved.name!r} do not fit the model: {err}") from None
+    if budget is not None and _STORAGE_CHECKED.get():
+        plans = [policy.schedule.plan([int(b) for b in layer.tolist()]) for layer in budgets]
         heads = (shape.n_kv_heads, shape.head_dim)
         # Where the budget does not say what a head holds (a schedule counted from the
         # prompt's end, a kept prompt) the storage cannot be judged from it.
-        if not (parts.schedule.from_prompt_end or parts.protection["protect_prompt"]):
-            split, given = parts.head_allocator is not None, "residual" in knobs
+        if not (policy.schedule.from_prompt_end or policy.protect_prompt):
+            split, given = policy.head_allocator is not None, "residual" in knobs
             why = storage_refusal(
-                spec.name, budget, parts.storage, plans, heads, head_split=split, residual_given=given
+                spec.name, budget, storage, plans, heads, head_split=split, residual_given=given
             )
             if why is not None:
                 raise KnobError(why)
-    if parts.storage.pre_rope and rope_inv_freq is None:
+    if storage.pre_rope and rope_inv_freq is None:
         raise KnobError(
-            f"parameters of {method!r} do not fit the model: pre_rope needs its RoPE inverse "
+            f"parameters of {resolved.name!r} do not fit the model: pre_rope needs its RoPE inverse "
             "frequencies (model.model.rotary_emb.inv_freq), and it has none"
         )
-    policy = LayerPolicy(
-        scorer=parts.scorer,
-        schedule=parts.schedule,
-        head_allocator=parts.head_allocator,
-        rope_inv_freq=rope_inv_freq,
-        rope_attention_scaling=rope_attention_scaling,
-        kv_format=parts.storage,
-        **parts.protection,
-    )
-    return budgets, policy
+    return budgets, resolved.with_rope(rope_inv_freq, rope_attention_scaling)
 
 
 class CacheFactory:
@@ -220,13 +181,14 @@ class CacheFactory:
 
     def __init__(self, model, method: str = "snapkv", budget: int | None = 128, **knobs: Any) -> None:
         self.model, self.method, self.budget, self.knobs = model, method, budget, dict(knobs)
-        make_cache(model, method, budget, **self.knobs)  # raises now on a bad method, budget or knob
+        self.resolved = resolve_method(method, budget, knobs)
+        make_cache(model, self.resolved)  # raises now on what needs the model (e.g. a layer's budget)
         self.last: CompressedCache | None = None
         self.made = 0
 
     def __call__(self) -> CompressedCache:
         self.last = None  # the previous cache's storage goes before the next one fills
-        self.last = make_cache(self.model, self.method, self.budget, **self.knobs)
+        self.last = make_cache(self.model, self.resolved)
         self.made += 1
         return self.last
 

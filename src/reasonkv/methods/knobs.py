@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import typing
-from dataclasses import dataclass
 
+from reasonkv.core.policy.contract import Allocator
 from reasonkv.core.policy.knob import MAX_TOKENS, Bounds, declared_bounds
-from reasonkv.core.policy.schedules import Schedule
-from reasonkv.core.quantize import KVFormat, default_residual
+from reasonkv.core.quantize import default_residual
+from reasonkv.core.step import LayerPolicy
 from reasonkv.methods.presets import PRESETS
 from reasonkv.methods.profiles import load_profile
 from reasonkv.methods.registry import PROTECTION_BOUNDS, PROTECTION_KNOBS, MethodSpec, get_method
@@ -106,13 +106,12 @@ def _check_type(spec: MethodSpec, name: str, value: object, default: object) -> 
     return value
 
 
-def check_knobs(spec: MethodSpec, knobs: dict[str, object]) -> dict[str, object]:
-    """Validate names, types, choices and ranges against the method before the (slow) model load.
+def check_values(spec: MethodSpec, knobs: dict[str, object]) -> dict[str, object]:
+    """Each knob's name, type, choices and range against the method, one at a time.
 
     Types follow the default (for a None default, the annotation): an int knob takes an int, a
     float knob an int or float, a bool knob true/false; Literal-annotated knobs take one of
     their choices; a knob declared with `reasonkv.core.policy.knob.knob` must be in its range.
-    Rules between knobs (beacon_min < beacon_max) are the parts' own checks when built.
 
     For a preset the result is its knobs with the given ones over them: what a record of it
     keeps, so the record says what ran without the preset's definition beside it.
@@ -135,45 +134,44 @@ def check_knobs(spec: MethodSpec, knobs: dict[str, object]) -> dict[str, object]
                         f"parameter {name!r} of {spec.name!r} must be {bounds.describe()}, got {value!r}"
                     )
         out[name] = value
-    build_parts(spec, out)
-    if isinstance(out.get("profile"), str):  # read it now: a bad profile should not wait for the model
-        try:
-            load_profile(out["profile"])
-        except (ValueError, FileNotFoundError) as err:
-            raise KnobError(f"parameter 'profile' of {spec.name!r}: {err}") from None
     return out
 
 
-@dataclass(frozen=True)
-class Parts:
-    """A method's policy objects built from its knobs, and its protection knobs."""
-
-    scorer: object
-    schedule: Schedule
-    allocator: object
-    head_allocator: object | None
-    protection: dict[str, object]
-    storage: KVFormat = dataclasses.field(default_factory=KVFormat)
-
-    @property
-    def protected(self) -> int:
-        return int(self.protection["n_sink"]) + int(self.protection["n_recent"])
+def check_knobs(spec: MethodSpec, knobs: dict[str, object]) -> dict[str, object]:
+    """`check_values`, then the rules between knobs (the parts' own checks when built) and the
+    profile a profile-driven method names: the knobs of a method without its budget (a sweep's
+    grid). With a budget, `resolved.resolve_method` does all of it once."""
+    out = check_values(spec, knobs)
+    build_parts(spec, out)
+    check_profile(spec, out)
+    return out
 
 
-def build_parts(spec: MethodSpec, overrides: dict) -> Parts:
-    """The method's scorer, schedule and allocators with these knobs over the defaults. A part
-    that refuses its knobs together (its own ValueError) is a KnobError naming the method."""
+def check_profile(spec: MethodSpec, knobs: dict[str, object]) -> None:
+    """Read the profile a profile-driven method names now: a bad one should not wait for the model."""
+    if isinstance(knobs.get("profile"), str):
+        try:
+            load_profile(knobs["profile"])
+        except (ValueError, FileNotFoundError) as err:
+            raise KnobError(f"parameter 'profile' of {spec.name!r}: {err}") from None
+
+
+def build_parts(spec: MethodSpec, overrides: dict) -> tuple[Allocator, LayerPolicy]:
+    """The method's layer allocator and the policy every layer applies (scorer, schedule, head
+    allocator, protection, storage format; no RoPE: the model gives it), with these knobs over
+    the defaults. A part that refuses its knobs together (its own ValueError) is a KnobError
+    naming the method."""
     routed = route_knobs(spec, overrides)
     try:
         schedule = spec.schedule
-        return Parts(
+        policy = LayerPolicy(
             scorer=spec.scorer(**routed["scorer"]),
             schedule=schedule(**routed["schedule"]) if isinstance(schedule, type) else schedule,
-            allocator=spec.allocator(**routed["allocator"]),
             head_allocator=spec.head_allocator(**routed["head_allocator"]) if spec.head_allocator else None,
-            protection=routed["protection"],
-            storage=spec.storage(**routed["storage"]),
+            kv_format=spec.storage(**routed["storage"]),
+            **routed["protection"],
         )
+        return spec.allocator(**routed["allocator"]), policy
     except KnobError:
         raise
     except (ValueError, TypeError) as err:
@@ -182,11 +180,10 @@ def build_parts(spec: MethodSpec, overrides: dict) -> Parts:
 
 def check_budget(spec: MethodSpec, budget: object, knobs: dict | None = None) -> int:
     """The budget as an int (1 for a method that never compresses, which ignores it); with the
-    method's checked knobs, also that compressing keeps the protected window.
+    method's checked knobs, also that compressing keeps the protected window
+    (`check_policy_budget`).
 
-    A budget is a whole number of tokens per KV head in [1, MAX_TOKENS]. Every allocator keeps
-    the mean budget, so some layer gets at most `budget`: if the schedule's target for it is
-    below n_sink + n_recent, no allocation can work, and the model need not be loaded to say so.
+    A budget is a whole number of tokens per KV head in [1, MAX_TOKENS].
     """
     if not spec.compresses:
         return 1
@@ -196,13 +193,19 @@ def check_budget(spec: MethodSpec, budget: object, knobs: dict | None = None) ->
         )
     budget = int(budget)
     if knobs is not None:
-        parts = build_parts(spec, knobs)
-        try:
-            kept = parts.schedule.target(budget)
-        except ValueError as err:  # a schedule that cannot work with this budget says why
-            raise KnobError(f"budget {budget} does not work for {spec.name!r}: {err}") from None
-        check_protected_window(spec, budget, kept, parts.protected)
+        check_policy_budget(spec, budget, build_parts(spec, knobs)[1])
     return budget
+
+
+def check_policy_budget(spec: MethodSpec, budget: int, policy: LayerPolicy) -> None:
+    """Every allocator keeps the mean budget, so some layer gets at most `budget`: if the
+    schedule's target for it is below n_sink + n_recent, no allocation can work, and the model
+    need not be loaded to say so."""
+    try:
+        kept = policy.schedule.target(budget)
+    except ValueError as err:  # a schedule that cannot work with this budget says why
+        raise KnobError(f"budget {budget} does not work for {spec.name!r}: {err}") from None
+    check_protected_window(spec, budget, kept, policy.protected)
 
 
 def at_budget(spec: MethodSpec, budget: int | None, knobs: dict[str, object]) -> dict[str, object]:
@@ -212,6 +215,25 @@ def at_budget(spec: MethodSpec, budget: int | None, knobs: dict[str, object]) ->
     if not spec.compresses or "residual" in knobs or "residual" in spec.defaults:
         return knobs
     return {**knobs, "residual": default_residual(budget)}
+
+
+def min_budget(schedule, protected: int) -> int:
+    """The smallest per-head budget whose post-compression size still holds the protected
+    window (allocators that move budget between layers must not go below it). A bounded
+    search (targets do not shrink as budgets grow: doubling, then halving the gap), so a
+    schedule that never keeps enough is an error, not a hang."""
+    low = high = max(protected, 1)
+    while schedule.target(high) < protected:
+        if high >= MAX_TOKENS:
+            raise KnobError(
+                f"no budget up to 10^9 tokens keeps the protected window of {protected} tokens "
+                f"after compressing with {schedule.describe()}"
+            )
+        low, high = high + 1, min(2 * high, MAX_TOKENS)
+    while low < high:  # target(high) >= protected; the answer is in [low, high]
+        mid = (low + high) // 2
+        low, high = (low, mid) if schedule.target(mid) >= protected else (mid + 1, high)
+    return high
 
 
 def check_protected_window(spec: MethodSpec, budget: int, kept: int, protected: int) -> None:

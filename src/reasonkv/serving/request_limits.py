@@ -16,27 +16,23 @@ A serving engine sizes its KV pool for `max_model_len`; what a request holds bes
 from __future__ import annotations
 
 from reasonkv.core.models import ModelShape
-from reasonkv.core.policy.knob import MAX_TOKENS
 from reasonkv.core.step import LayerPolicy, window_keep
-from reasonkv.methods.knobs import KnobError, knob_bounds
-from reasonkv.methods.registry import get_method
+from reasonkv.methods.knobs import KnobError
+from reasonkv.methods.resolved import ResolvedMethod
 
 
 def check_fits(
-    method: str,
-    budget: int,
-    knobs: dict[str, object],
+    resolved: ResolvedMethod,
     policy: LayerPolicy,
     shape: ModelShape,
     max_model_len: int,
     query_wait: int = 0,
 ) -> None:
-    """Raise KnobError (one line) when these checked settings break a rule above; `query_wait`
-    is the decode queries the engine lets wait beside the window."""
-    spec = get_method(method)
-    for name, value in sorted(knobs.items()):
-        counts_tokens = any(b.le == MAX_TOKENS for b in knob_bounds(spec, name))
-        if counts_tokens and isinstance(value, int) and value > max_model_len:
+    """Raise KnobError (one line) when this resolved setting, as `policy` runs it, breaks a rule
+    above; `query_wait` is the decode queries the engine lets wait beside the window."""
+    method, budget = resolved.name, resolved.budget
+    for name, value in resolved.token_knobs().items():
+        if value > max_model_len:
             raise KnobError(
                 f"parameter {name!r} of {method!r} counts tokens: at most max_model_len "
                 f"({max_model_len}), got {value}"

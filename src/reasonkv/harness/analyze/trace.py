@@ -32,7 +32,6 @@ from reasonkv.harness.analyze.revisits import (
 )
 from reasonkv.harness.replay import chunk_plan, compare_to_reference, reference_stats
 from reasonkv.methods.api import make_cache
-from reasonkv.methods.registry import get_method
 
 
 @dataclass
@@ -143,10 +142,9 @@ def analyze_trace(
     observer = observer_cache(model, recorder)
     lanes = []
     for run in runs:
-        budget = run.budget if get_method(run.method).compresses else None
         evicted = torch.full((shape.n_layers, shape.n_kv_heads, n), NEVER_EVICTED, dtype=torch.long)
         result = MethodResult(run.label, run.method, run.budget, dict(run.knobs), evicted)
-        lanes.append(_Lane(result, make_cache(model, run.method, budget, **run.knobs)))
+        lanes.append(_Lane(result, make_cache(model, run.resolved)))
     end = n - 1  # the last token predicts nothing: it is fed to the observer alone at the end
     with torch.no_grad():
         model(input_ids=ids[:, :prompt_len], **cache_arg(observer), logits_to_keep=1)

@@ -358,7 +358,7 @@ def plan_batches(
     for run in runs:
 
         def fresh(run: BenchRun = run) -> CompressedCache:
-            return make_cache(model, run.method, run.budget, **run.knobs)
+            return make_cache(model, run.resolved)
 
         try:
             per_sequence, per_cache = peak_state_bytes(
@@ -402,10 +402,7 @@ def measure_batches(
     results = []
     for label, group in passes:
         release_memory()
-        built = [
-            c if c is not None else make_cache(model, p.run.method, p.run.budget, **p.run.knobs)
-            for p, c in group
-        ]
+        built = [c if c is not None else make_cache(model, p.run.resolved) for p, c in group]
         tick = None if progress is None else (lambda k, label=label: progress(label, k))
         traces = decode_many(
             model,

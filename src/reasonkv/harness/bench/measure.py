@@ -23,7 +23,7 @@ from reasonkv.methods.api import make_cache
 
 
 def _timed_cache(model, run: BenchRun, cache: CompressedCache | None = None):
-    cache = cache if cache is not None else make_cache(model, run.method, run.budget, **run.knobs)
+    cache = cache if cache is not None else make_cache(model, run.resolved)
     device = next(model.parameters()).device
     timer = SectionTimer(sync=torch.cuda.synchronize if device.type == "cuda" else None)
     instrument(cache, timer)

@@ -46,7 +46,7 @@ def profile_decode(
 
     if tokens.numel() < context + 2 * steps:
         raise ValueError(f"need {context + 2 * steps} tokens, got {tokens.numel()}")
-    cache = make_cache(model, run.method, run.budget, **run.knobs)
+    cache = make_cache(model, run.resolved)
     timer = SectionTimer(label=True)
     instrument(cache, timer)
     device = next(model.parameters()).device  # tokenizers give CPU tensors; the model may be on a GPU

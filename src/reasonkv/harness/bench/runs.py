@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from reasonkv.harness.replay import ReplayRun
+from reasonkv.harness.replay_run import ReplayRun
 from reasonkv.methods.registry import METHODS, get_method
 
 BASELINE = "streaming"

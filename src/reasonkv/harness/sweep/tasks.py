@@ -75,7 +75,7 @@ def replay_task(model, tokenizer, task: Task) -> list[dict]:
         if _run_id(run) in runs or u.item["id"] not in input_of:
             continue
         try:  # a method that cannot run (budget below its protected window) fails alone
-            make_cache(model, run.method, run.budget, **run.knobs)
+            make_cache(model, run.resolved)
         except Exception as err:
             records += [error_record(v, err) for v in task.units if _run_id(_run_of(v)) == _run_id(run)]
             continue
@@ -134,7 +134,7 @@ def replay_task(model, tokenizer, task: Task) -> list[dict]:
 
 
 def _run_of(u: Unit):
-    from reasonkv.harness.replay import ReplayRun
+    from reasonkv.harness.replay_run import ReplayRun
 
     return ReplayRun(u.config["method"], u.config["budget"], dict(u.config["knobs"]))
 

@@ -172,9 +172,8 @@ def _check_policy(settings, vllm_config) -> None:
     """Build the policy once where the config is read, so its own checks run there, and check
     that the engine can hold what it makes a request hold (KnobError)."""
     shape = model_shape_of(vllm_config.model_config.hf_config)
-    _, policy = build_policy(settings.method, settings.budget, shape, None, 1.0, **settings.knobs)
-    max_len = vllm_config.model_config.max_model_len
-    check_fits(settings.method, settings.budget, settings.knobs, policy, shape, max_len, PENDING_QUERIES)
+    _, policy = build_policy(settings, shape)
+    check_fits(settings, policy, shape, vllm_config.model_config.max_model_len, PENDING_QUERIES)
 
 
 class PrefixRules:

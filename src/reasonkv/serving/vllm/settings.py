@@ -6,8 +6,9 @@ The adapter is on only when the engine's `additional_config` has a "reasonkv" en
     python -m vllm.entrypoints.openai.api_server --model MODEL \\
         --additional-config '{"reasonkv": {"method": "beaconkv", "budget": 1024}}'
 
-Every other key of the entry is a knob of the method, checked by the same `check_knobs` as
-`make_cache` and the CLI, with the same one-line errors. Methods that need a budget per layer
+Every other key of the entry is a knob of the method: the entry is resolved once, by the same
+`resolve_method` as `make_cache` and the CLI, with the same one-line errors, and the resolved
+value (`ResolvedMethod`) is what the adapter passes on. Methods that need a budget per layer
 or per head, quantized storage or the two-tier cache are refused by name (`unsupported`): one
 block table, shared by every layer and KV head of a request, holds one length for all of them.
 A request may bring its own entry in `SamplingParams.extra_args` (`request_settings`).
@@ -16,29 +17,18 @@ A request may bring its own entry in `SamplingParams.extra_args` (`request_setti
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any
 
 from reasonkv.core.policy.allocators import UniformAllocator
-from reasonkv.methods.knobs import KnobError, check_budget, check_knobs
-from reasonkv.methods.registry import get_method
+from reasonkv.methods.knobs import KnobError
+from reasonkv.methods.resolved import ResolvedMethod, resolve_method
 
 CONFIG_KEY = "reasonkv"
 """The key of vLLM's `additional_config` that turns the adapter on."""
 
 
-@dataclass(frozen=True)
-class ServingSettings:
-    """The method, budget and knobs every request of the engine is compressed with."""
-
-    method: str
-    budget: int
-    knobs: dict[str, Any] = field(default_factory=dict)
-
-
-def unsupported(method: str, knobs: dict[str, Any]) -> str | None:
-    """Why `method` with `knobs` cannot run in vLLM (one sentence), or None when it can."""
-    spec = get_method(method)
+def unsupported(resolved: ResolvedMethod) -> str | None:
+    """Why this method setting cannot run in vLLM (one sentence), or None when it can."""
+    spec, method, fmt = resolved.spec, resolved.name, resolved.policy.kv_format
     if not spec.compresses:
         return f"{method!r} never evicts; serve without reasonkv (vLLM's own cache is the full cache)"
     if spec.allocator is not UniformAllocator:
@@ -56,8 +46,7 @@ def unsupported(method: str, knobs: dict[str, Any]) -> str | None:
             f"{method!r} is an ablation whose buffers grow with the sequence (they hold every past "
             "query): it is for trace replay, not serving; use beaconkv"
         )
-    merged = {**spec.defaults, **knobs}
-    if int(merged.get("kv_bits", 16)) < 16 or int(merged.get("low_budget", 0)) > 0:
+    if fmt.quantized or fmt.low_budget > 0:
         return (
             "quantized storage (kv_bits < 16) and the two-tier cache (low_budget) are reasonkv's own "
             "storage, not vLLM's: for a quantized KV cache use vLLM's own, kv_cache_dtype='fp8'"
@@ -65,7 +54,7 @@ def unsupported(method: str, knobs: dict[str, Any]) -> str | None:
     return None
 
 
-def read_settings(additional_config: object) -> ServingSettings | None:
+def read_settings(additional_config: object) -> ResolvedMethod | None:
     """The adapter's settings from vLLM's `additional_config`, or None when it is off.
     Raises KnobError (a ValueError) in one line for anything it cannot run."""
     if not isinstance(additional_config, dict) or CONFIG_KEY not in additional_config:
@@ -73,7 +62,7 @@ def read_settings(additional_config: object) -> ServingSettings | None:
     return _checked(additional_config[CONFIG_KEY], f'additional_config["{CONFIG_KEY}"]')
 
 
-def request_settings(engine: ServingSettings | None, extra_args: object) -> ServingSettings | None:
+def request_settings(engine: ResolvedMethod | None, extra_args: object) -> ResolvedMethod | None:
     """One request's settings: the engine's, with the keys of `SamplingParams.extra_args
     ["reasonkv"]` over them (another method, budget or knob), or None for `"reasonkv": false`
     (this request is not compressed). The entry may also be that object as a JSON string (the
@@ -94,15 +83,15 @@ def request_settings(engine: ServingSettings | None, extra_args: object) -> Serv
         return None
     if not isinstance(entry, dict):
         raise KnobError(f'{where} must be false or an object such as {{"budget": 256}}, got {entry!r}')
-    if "method" in entry and entry["method"] != engine.method:
+    if "method" in entry and entry["method"] != engine.name:
         merged = dict(entry)  # another method: the engine's knobs may not be its knobs
     else:
-        merged = {"method": engine.method, "budget": engine.budget, **engine.knobs, **entry}
+        merged = {"method": engine.name, "budget": engine.budget, **engine.knobs, **entry}
     merged.setdefault("budget", engine.budget)
     return _checked(merged, where)
 
 
-def _checked(entry: object, where: str) -> ServingSettings:
+def _checked(entry: object, where: str) -> ResolvedMethod:
     if not isinstance(entry, dict):
         raise KnobError(
             f'{where} must be an object such as {{"method": "snapkv", "budget": 512}}, got {entry!r}'
@@ -111,14 +100,8 @@ def _checked(entry: object, where: str) -> ServingSettings:
     method = knobs.pop("method", None)
     if not isinstance(method, str):
         raise KnobError(f'{where} needs "method" (a method name), got {method!r}')
-    try:
-        spec = get_method(method)
-    except ValueError as err:
-        raise KnobError(str(err)) from None
-    budget = knobs.pop("budget", None)
-    checked = check_knobs(spec, knobs)
-    budget = check_budget(spec, budget, checked)
-    why = unsupported(method, checked)
+    resolved = resolve_method(method, knobs.pop("budget", None), knobs)
+    why = unsupported(resolved)
     if why is not None:
         raise KnobError(f"reasonkv in vLLM: {why}")
-    return ServingSettings(method, budget, checked)
+    return resolved

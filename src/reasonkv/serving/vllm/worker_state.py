@@ -26,10 +26,11 @@ from reasonkv.core.models import ModelShape
 from reasonkv.core.policy.base import EMPTY
 from reasonkv.core.step import LayerPolicy, LayerStep
 from reasonkv.methods.api import build_policy
+from reasonkv.methods.resolved import ResolvedMethod
 from reasonkv.serving.paged_rows import PENDING_QUERIES, PagedRowsStorage
 from reasonkv.serving.prefix_sharing import prompt_sharing
 from reasonkv.serving.vllm.paged_kv import TileLayout
-from reasonkv.serving.vllm.settings import ServingSettings, request_settings
+from reasonkv.serving.vllm.settings import request_settings
 
 TRACE_KINDS = ("kept", "release", "step", "preempt")
 
@@ -211,14 +212,12 @@ class BuiltPolicies:
     def __len__(self) -> int:
         return len(self._built)
 
-    def __call__(self, settings: ServingSettings) -> tuple[torch.Tensor, LayerPolicy]:
-        key = json.dumps([settings.method, settings.budget, settings.knobs], sort_keys=True, default=str)
+    def __call__(self, settings: ResolvedMethod) -> tuple[torch.Tensor, LayerPolicy]:
+        key = json.dumps([settings.name, settings.budget, dict(settings.knobs)], sort_keys=True, default=str)
         if key in self._built:
             self._built.move_to_end(key)
             return self._built[key]
-        inv_freq, scaling = self.rope
-        knobs = settings.knobs
-        built = build_policy(settings.method, settings.budget, self.shape, inv_freq, scaling, **knobs)
+        built = build_policy(settings, self.shape, *self.rope)
         self._built[key] = built
         if len(self._built) > POLICIES_HELD:
             self._built.popitem(last=False)
@@ -229,7 +228,7 @@ class WorkerState:
     """Everything the adapter holds in one worker process."""
 
     def __init__(
-        self, settings: ServingSettings, shape: ModelShape, rope: tuple[torch.Tensor, float], block_size: int
+        self, settings: ResolvedMethod, shape: ModelShape, rope: tuple[torch.Tensor, float], block_size: int
     ) -> None:
         self.settings, self.shape, self.rope = settings, shape, rope
         self.n_layers, self.block_size, self.head_dim = shape.n_layers, block_size, shape.head_dim
