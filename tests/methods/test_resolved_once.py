@@ -88,6 +88,17 @@ def test_a_cache_factory_resolves_once_for_every_cache_it_makes() -> None:
     assert len({id(c) for c in made}) == 3 and all(c.policy.scorer.recent_ratio == 0.25 for c in made)
 
 
+def test_a_cache_factory_takes_a_resolved_value_as_it_is() -> None:
+    value = reasonkv.resolve_method("snapkv", 32, {"window": 4})
+    with entries() as seen:
+        caches = reasonkv.CacheFactory(tiny_llama("sdpa"), value)
+        cache = caches()
+    assert seen == Counter() and cache.policy.scorer.window == 4
+    assert (caches.method, caches.budget, caches.knobs) == ("snapkv", 32, {"window": 4})
+    with pytest.raises(TypeError, match="resolved method and knobs"):
+        reasonkv.CacheFactory(tiny_llama("sdpa"), value, window=8)
+
+
 def test_the_generate_command_resolves_once(fake_loader) -> None:
     args = ["generate", "--method", "snapkv", "--budget", "16", "-n", "4", "--set", "window=4", "hi there"]
     with entries() as seen:

@@ -103,7 +103,8 @@ def make_cache(
     behaves exactly like the stock one when used without a CompressedCache). Parameters of
     the method (see `reasonkv methods`) are set by keyword, e.g. `window=16`. `method` may be
     a preset (`beaconkv-int4`, methods/presets.py): its method with its knobs, yours over them;
-    or a value of `resolve_method` (then give no budget or knobs here: it holds them).
+    or a value of `resolve_method`, which holds its budget and knobs (`budget` is then not read,
+    and knobs given here are refused).
 
     Quantized storage (kv_bits < 16) that would never quantize a token at this budget, or that
     would hold more K/V while decoding than the same cache at 16 bits, is refused (a KnobError
@@ -179,9 +180,14 @@ class CacheFactory:
     cache of the latest call (for `memory()` or `events` after it ran), `made` how many were made.
     """
 
-    def __init__(self, model, method: str = "snapkv", budget: int | None = 128, **knobs: Any) -> None:
-        self.model, self.method, self.budget, self.knobs = model, method, budget, dict(knobs)
-        self.resolved = resolve_method(method, budget, knobs)
+    def __init__(
+        self, model, method: str | ResolvedMethod = "snapkv", budget: int | None = 128, **knobs: Any
+    ) -> None:
+        if isinstance(method, ResolvedMethod) and knobs:
+            raise TypeError(f"CacheFactory got a resolved method and knobs ({', '.join(knobs)})")
+        resolved = method if isinstance(method, ResolvedMethod) else resolve_method(method, budget, knobs)
+        self.model, self.resolved = model, resolved
+        self.method, self.budget, self.knobs = resolved.name, resolved.budget, dict(resolved.knobs)
         make_cache(model, self.resolved)  # raises now on what needs the model (e.g. a layer's budget)
         self.last: CompressedCache | None = None
         self.made = 0

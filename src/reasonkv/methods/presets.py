@@ -7,7 +7,7 @@ registry can read it without importing itself back.
 Each preset names its evidence: the numbers, the traces they come from, the records and the
 grid that made them, and the section of docs/results.md that reads them. A preset's knobs are
 fixed once published: a new measurement is a new preset, so a record that names one keeps its
-meaning (sweep records hold the preset's knobs spelled out too, see `knobs.check_knobs`)."""
+meaning (sweep records hold the preset's knobs spelled out too, see `knobs.check_values`)."""
 
 from __future__ import annotations
 
