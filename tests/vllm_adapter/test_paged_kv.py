@@ -4,7 +4,7 @@ The adapter's reads (scoring, H2O's per-step attention) and moves (compaction) g
 layout, so it is checked directly for both dtypes, the fp8 caches (read dequantised as the kernel
 reads them, moved byte for byte), both block sizes the tests and the docs use, and both kernels
 this CPU can run (`vec` for head dims divisible by 32, `vec16` otherwise), including the strided
-fast paths the common orders take.
+views the bit-permuted orders take.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytest.importorskip("vllm", reason="the vLLM adapter's tests run in .venv-vllm: 
 import torch  # noqa: E402
 from vllm import _custom_ops as ops  # noqa: E402
 
-from reasonkv.serving.vllm.paged_kv import FP8_FORMATS, TileLayout, split_cache  # noqa: E402
+from reasonkv.serving.vllm.paged_kv import FP8_FORMATS, TileLayout, bit_view, split_cache  # noqa: E402
 
 CASES = [
     (torch.bfloat16, 128, 64, "vec", "auto"),
@@ -136,10 +136,45 @@ def test_read_returns_what_the_engine_wrote_and_move_is_exact(dtype, block_size,
 
 
 def test_the_fast_paths_are_the_orders_this_cpu_uses():
-    """`vec` keeps keys [head dim, block] and values [block, head dim] in a tile: both read as views.
-    (Should vLLM change a kernel's order, the gather path still reads it; this says which ran.)"""
-    layout = TileLayout(32, 64, torch.float32, "vec")
-    assert (layout.key_view, layout.value_view) == ("channels", "tokens")
+    """`vec` keeps keys [head dim, block] and values [block, head dim] in a tile, AMX pairs of
+    channels (keys) or of tokens (values) in 16-token groups: each only moves the bits of the
+    logical index, so each reads as a strided view (runs of 8 bytes, 4, 2 or 1 element). A head dim
+    that is not a power of two takes the gather. (Should vLLM change a kernel's order, the gather
+    path still reads it; this says which ran.)"""
+    vec = TileLayout(32, 64, torch.float32, "vec")
+    assert (vec.key_view.wide, vec.key_view.tile_dims, vec.value_view.wide) == (
+        torch.int32,
+        (64, 32),
+        torch.int64,
+    )
+    assert TileLayout(32, 80, torch.bfloat16, "vec16").key_view is None
+    if AMX_HERE:
+        amx = TileLayout(128, 64, torch.bfloat16, "amx")
+        assert (amx.key_view.wide, amx.key_view.tile_dims) == (torch.int32, (8, 32, 16))
+        assert (amx.value_view.wide, amx.value_view.tile_dims) == (torch.int16, (4, 64, 16, 2))
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4])
+def test_a_bit_view_reads_any_bit_permuted_tile_as_the_gather_does(itemsize):
+    """Random permutations of the index bits of tiles of 4..128 tokens x 4..128 channels: the view
+    gives each logical element where the gather does; an order that is not a bit permutation
+    has no view."""
+    gen = torch.Generator().manual_seed(itemsize)
+    dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}[itemsize]
+    for _ in range(40):
+        block, dim = (2 ** int(torch.randint(2, 8, (1,), generator=gen)) for _ in range(2))
+        bits = (block * dim).bit_length() - 1
+        moved = torch.randperm(bits, generator=gen).tolist()
+        logical = torch.arange(block * dim)
+        order = sum(((logical >> i) & 1) << moved[i] for i in range(bits))
+        view = bit_view(order, itemsize, dim)
+        tile = torch.randint(0, 100, (block * dim,)).to(dtype)
+        tiles = tile.view(1, 1, block, dim).view(view.wide).view(1, 1, 1, *view.tile_dims)
+        read = tiles.permute(0, 2, 1, *view.logical_dims).reshape(block, -1).contiguous().view(dtype)
+        assert torch.equal(read, tile[order].view(block, dim)), (block, dim, moved)
+    swapped = torch.arange(64)
+    swapped[[1, 2]] = swapped[[2, 1]]  # a transposition of two elements moves no bit
+    assert bit_view(swapped, itemsize, 8) is None
 
 
 def test_a_cache_whose_tiles_are_not_one_run_is_refused():

@@ -12,6 +12,8 @@ move unchanged (no second rounding) and a 16/32-bit one's values move exactly to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from vllm import _custom_ops as ops
 
@@ -38,6 +40,57 @@ def digits(size: int, radix: int) -> int:
     while radix**n < size:
         n += 1
     return n
+
+
+WIDEST = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""Raw element types by size: a run of contiguous elements is copied as one wider element."""
+
+
+@dataclass(frozen=True)
+class BitView:
+    """A tile order that only permutes the bits of the logical index t * D + d (sizes powers of
+    two): the tile, as runs of `wide` elements, viewed as `tile_dims` and permuted by
+    `logical_dims` (offset by the dims before the tile's) is the tile in logical order."""
+
+    wide: torch.dtype
+    tile_dims: tuple[int, ...]
+    logical_dims: tuple[int, ...]
+
+
+def bit_view(order: torch.Tensor, itemsize: int, head_dim: int) -> BitView | None:
+    """The strided view that reads a tile in logical order, when `order` (the tile position of
+    each logical element) moves bits only; None for any other order."""
+    n = order.numel()
+    bits = n.bit_length() - 1
+    if n < 2 or 1 << bits != n:
+        return None
+    where = []  # the tile bit each logical bit lands on
+    for i in range(bits):
+        p = int(order[1 << i])
+        if p <= 0 or p & (p - 1):
+            return None
+        where.append(p.bit_length() - 1)
+    logical = torch.arange(n)
+    if not torch.equal(order, sum(((logical >> i) & 1) << w for i, w in enumerate(where))):
+        return None
+    # Runs of logical bits that land on consecutive tile bits, lowest first: (tile bit, bits).
+    runs: list[list[int]] = []
+    for i, w in enumerate(where):
+        if runs and where[i - 1] + 1 == w:
+            runs[-1][1] += 1
+        else:
+            runs.append([w, 1])
+    # The lowest run, where it is the tile's lowest bits too, is copied as wider elements.
+    wide_bits = 0
+    if runs[0][0] == 0:
+        wide_bits = min(runs[0][1], (8 // itemsize).bit_length() - 1, head_dim.bit_length() - 1)
+        runs[0] = [wide_bits, runs[0][1] - wide_bits]
+        if runs[0][1] == 0:
+            runs.pop(0)
+    by_tile = sorted(range(len(runs)), key=lambda r: -runs[r][0])  # the tile's dims, outermost first
+    tile_dims = tuple(1 << runs[r][1] for r in by_tile)
+    logical_dims = tuple(3 + by_tile.index(r) for r in reversed(range(len(runs))))
+    return BitView(WIDEST[itemsize << wide_bits], tile_dims, logical_dims)
 
 
 class TileLayout:
@@ -78,17 +131,13 @@ class TileLayout:
         self.token_offsets = torch.stack(
             [found[0].view(block_size, head_dim), found[1].view(block_size, head_dim) + n]
         )
-        # The common tile orders read as a strided view instead of a gather over every element.
-        self.key_view, self.value_view = (self._view_kind(order) for order in found)
+        # A tile order that permutes the bits of (token, channel) reads as a strided view (one
+        # copy of runs as wide as it keeps) instead of a gather over every element.
+        self.key_view, self.value_view = (bit_view(order, self.element_size, head_dim) for order in found)
 
-    def _view_kind(self, order: torch.Tensor) -> str:
-        """'tokens' ([block, D] in the tile), 'channels' ([D, block]) or 'gather' (any other)."""
-        n = self.block_size * self.head_dim
-        if torch.equal(order, torch.arange(n)):
-            return "tokens"
-        if torch.equal(order, torch.arange(n).view(self.head_dim, self.block_size).t().reshape(-1)):
-            return "channels"
-        return "gather"
+    @property
+    def element_size(self) -> int:
+        return torch.empty(0, dtype=self.dtype if self.stored is None else torch.uint8).element_size()
 
     def _probe(self, tile: torch.Tensor, half: int) -> torch.Tensor:
         """Write `tile` [block size, head dim] as one block of keys (half 0) or values (1) of
@@ -147,19 +196,21 @@ class TileLayout:
         table: torch.Tensor,
         length: int,
         order: torch.Tensor,
-        kind: str,
+        view: BitView | None,
         scale: float,
     ) -> torch.Tensor:
         n = (length + self.block_size - 1) // self.block_size
         table = table[:, :n].to(half.device, torch.long)
         rows, heads, bs, d = table.shape[0], half.shape[1], self.block_size, self.head_dim
-        tiles = half[table.reshape(-1)]  # [R * n, H, bs, D] as stored (a copy)
-        if kind == "channels":
-            tiles = tiles.reshape(rows * n, heads, d, bs).transpose(-1, -2)
-        elif kind == "gather":
+        if view is not None:  # the tiles as runs of `view.wide` elements, reordered in one copy
+            tiles = half.view(view.wide).view(-1, heads, *view.tile_dims).index_select(0, table.reshape(-1))
+            tiles = tiles.view(rows, n, heads, *view.tile_dims).permute(0, 2, 1, *view.logical_dims)
+            flat = tiles.reshape(rows, heads, n * bs, -1).contiguous().view(half.dtype)
+        else:
+            tiles = half[table.reshape(-1)]  # [R * n, H, bs, D] as stored (a copy)
             tiles = tiles.reshape(rows * n, heads, -1)[..., order].view(rows * n, heads, bs, d)
-        # [R, H, n * bs, D] in slot order, then the first `length`
-        flat = tiles.reshape(rows, n, heads, bs, d).transpose(1, 2).reshape(rows, heads, n * bs, d)
+            # [R, H, n * bs, D] in slot order
+            flat = tiles.reshape(rows, n, heads, bs, d).transpose(1, 2).reshape(rows, heads, n * bs, d)
         flat = flat[:, :, :length]
         if self.stored is not None:  # decoded and scaled in fp32, then the model's dtype
             flat = (flat.view(self.stored).float() * scale).to(self.dtype)
