@@ -37,6 +37,7 @@ token pooling by default.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -402,6 +403,7 @@ class BeaconKVScorer(Scorer):
         st: BeaconState | None = obs.scorer_state
         if st is not None and max(st.pending, default=0) > 0:  # else fed (ahead) already
             self.flush(st, obs.rope_inv_freq, obs.rope_attention_scaling, ahead=True)
+        keys = keys.float()  # once, for the recent queries' logits and the beacons'
         logits = grouped_logits(obs.queries, keys, obs.scaling)
         probs = masked_softmax(logits, candidate_mask(obs))  # recent queries: [B, H, G, W, T]
         b, h, g, w, t = probs.shape
@@ -417,12 +419,13 @@ class BeaconKVScorer(Scorer):
             held = torch.arange(beacons.shape[2], device=keys.device) < count[..., None]  # [B, X, M]
             # A query head's beacons score the keys of its KV head: group them as G·M points.
             rotated, held = rotated.reshape(b, h, -1, rotated.shape[-1]), held.reshape(b, h, -1)
-            logits = torch.einsum("bhmd,bhtd->bhmt", rotated, keys.float()) * obs.scaling
+            logits = torch.einsum("bhmd,bhtd->bhmt", rotated, keys) * obs.scaling
             parts.append(masked_softmax(logits, held[..., None] & obs.key_valid[:, :, None, :]))
             n_points = n_points + count.reshape(b, h, -1).sum(-1)
-        probs = torch.cat(parts, dim=2)  # every observation point: [B, H, P, T], zeros for absent ones
-        if self.aggregation == "max":
-            scores = probs.amax(dim=2) if probs.shape[2] else probs.new_zeros(b, h, t)
+        if self.aggregation == "max":  # each part's max, then theirs: no copy of every point's row
+            maxima = [p.amax(dim=2) for p in parts if p.shape[2]]
+            scores = functools.reduce(torch.maximum, maxima) if maxima else probs.new_zeros(b, h, t)
         else:
+            probs = torch.cat(parts, dim=2)  # every observation point: [B, H, P, T], zeros for absent ones
             scores = probs.sum(dim=2) / n_points.clamp(min=1)[..., None].to(probs.dtype)
         return pool_tokens(scores, self.kernel, self.pooling)
