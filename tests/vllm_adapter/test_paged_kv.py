@@ -154,6 +154,25 @@ def test_the_fast_paths_are_the_orders_this_cpu_uses():
         assert (amx.value_view.wide, amx.value_view.tile_dims) == (torch.int16, (4, 64, 16, 2))
 
 
+@pytest.mark.parametrize(("pad", "offset"), [(0, 0), (6, 0), (0, 1), (6, 3)])
+def test_a_read_through_a_view_equals_the_gather_whatever_the_cache_strides(pad, offset):
+    """A cache whose blocks are padded or that starts at an odd element (strides not whole wide
+    elements) reads through the gather; either way every read equals the gather's."""
+    layout = TileLayout(32, 64, torch.float32, "vec")  # values: token-major, read as int64 pairs
+    heads, blocks, tile = 2, 6, 2 * 32 * 64
+    buffer = torch.randn(offset + blocks * heads * (tile + pad))
+    cache = buffer[offset:].view(blocks, heads, tile + pad)[:, :, :tile].unflatten(2, (64, 64))
+    table = torch.tensor([[0, 2, 4], [1, 3, 5]])
+    for half, order, view in (
+        (0, layout.key_order, layout.key_view),
+        (1, layout.value_order, layout.value_view),
+    ):
+        part = split_cache(cache)[half]
+        for length in (1, 33, 95):
+            got = layout._read_half(part, table, length, order, view, 1.0)
+            assert torch.equal(got, layout._read_half(part, table, length, order, None, 1.0))
+
+
 @pytest.mark.parametrize("itemsize", [1, 2, 4])
 def test_a_bit_view_reads_any_bit_permuted_tile_as_the_gather_does(itemsize):
     """Random permutations of the index bits of tiles of 4..128 tokens x 4..128 channels: the view

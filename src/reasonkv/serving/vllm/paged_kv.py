@@ -202,10 +202,14 @@ class TileLayout:
         n = (length + self.block_size - 1) // self.block_size
         table = table[:, :n].to(half.device, torch.long)
         rows, heads, bs, d = table.shape[0], half.shape[1], self.block_size, self.head_dim
-        if view is not None:  # the tiles as runs of `view.wide` elements, reordered in one copy
+        ratio = torch.empty(0, dtype=view.wide).element_size() // half.element_size() if view else 0
+        # Wider elements need every stride and the offset in whole wide elements (vLLM's are).
+        if view is not None and all(x % ratio == 0 for x in (half.storage_offset(), *half.stride()[:-1])):
             tiles = half.view(view.wide).view(-1, heads, *view.tile_dims).index_select(0, table.reshape(-1))
             tiles = tiles.view(rows, n, heads, *view.tile_dims).permute(0, 2, 1, *view.logical_dims)
-            flat = tiles.reshape(rows, heads, n * bs, -1).contiguous().view(half.dtype)
+            # Into fresh storage of canonical strides: the dtype view below needs a unit last stride.
+            out = torch.empty((rows, heads, n, *tiles.shape[3:]), dtype=view.wide, device=half.device)
+            flat = out.copy_(tiles).view(rows, heads, n * bs, d // ratio).view(half.dtype)
         else:
             tiles = half[table.reshape(-1)]  # [R * n, H, bs, D] as stored (a copy)
             tiles = tiles.reshape(rows * n, heads, -1)[..., order].view(rows * n, heads, bs, d)
