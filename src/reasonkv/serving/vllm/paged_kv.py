@@ -24,8 +24,9 @@ FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8
 # bf16/fp16/fp32, to 8 in e5m2 (2 mantissa bits).
 PROBE_RADIX = {"auto": 64, "fp8": 8}
 
-# An integer type of each element size: compaction moves raw elements, whatever they encode.
-RAW_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+# An integer type of each element size: compaction moves raw elements, whatever they encode, and
+# a strided read copies a run of contiguous elements as one wider element (up to 8 bytes).
+RAW_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,17 +43,15 @@ def digits(size: int, radix: int) -> int:
     return n
 
 
-WIDEST = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-"""Raw element types by size: a run of contiguous elements is copied as one wider element."""
-
-
 @dataclass(frozen=True)
 class BitView:
     """A tile order that only permutes the bits of the logical index t * D + d (sizes powers of
-    two): the tile, as runs of `wide` elements, viewed as `tile_dims` and permuted by
-    `logical_dims` (offset by the dims before the tile's) is the tile in logical order."""
+    two): the tile, as runs of `wide` elements (`ratio` of its own each), viewed as `tile_dims`
+    and permuted by `logical_dims` (offset by the dims before the tile's) is the tile in logical
+    order."""
 
     wide: torch.dtype
+    ratio: int
     tile_dims: tuple[int, ...]
     logical_dims: tuple[int, ...]
 
@@ -90,7 +89,7 @@ def bit_view(order: torch.Tensor, itemsize: int, head_dim: int) -> BitView | Non
     by_tile = sorted(range(len(runs)), key=lambda r: -runs[r][0])  # the tile's dims, outermost first
     tile_dims = tuple(1 << runs[r][1] for r in by_tile)
     logical_dims = tuple(3 + by_tile.index(r) for r in reversed(range(len(runs))))
-    return BitView(WIDEST[itemsize << wide_bits], tile_dims, logical_dims)
+    return BitView(RAW_BY_ITEMSIZE[itemsize << wide_bits], 1 << wide_bits, tile_dims, logical_dims)
 
 
 class TileLayout:
@@ -133,11 +132,8 @@ class TileLayout:
         )
         # A tile order that permutes the bits of (token, channel) reads as a strided view (one
         # copy of runs as wide as it keeps) instead of a gather over every element.
-        self.key_view, self.value_view = (bit_view(order, self.element_size, head_dim) for order in found)
-
-    @property
-    def element_size(self) -> int:
-        return torch.empty(0, dtype=self.dtype if self.stored is None else torch.uint8).element_size()
+        itemsize = dtype.itemsize if self.stored is None else 1  # fp8 is stored as bytes
+        self.key_view, self.value_view = (bit_view(order, itemsize, head_dim) for order in found)
 
     def _probe(self, tile: torch.Tensor, half: int) -> torch.Tensor:
         """Write `tile` [block size, head dim] as one block of keys (half 0) or values (1) of
@@ -202,14 +198,14 @@ class TileLayout:
         n = (length + self.block_size - 1) // self.block_size
         table = table[:, :n].to(half.device, torch.long)
         rows, heads, bs, d = table.shape[0], half.shape[1], self.block_size, self.head_dim
-        ratio = torch.empty(0, dtype=view.wide).element_size() // half.element_size() if view else 0
         # Wider elements need every stride and the offset in whole wide elements (vLLM's are).
-        if view is not None and all(x % ratio == 0 for x in (half.storage_offset(), *half.stride()[:-1])):
+        strides = (half.storage_offset(), *half.stride()[:-1])
+        if view is not None and all(x % view.ratio == 0 for x in strides):
             tiles = half.view(view.wide).view(-1, heads, *view.tile_dims).index_select(0, table.reshape(-1))
             tiles = tiles.view(rows, n, heads, *view.tile_dims).permute(0, 2, 1, *view.logical_dims)
             # Into fresh storage of canonical strides: the dtype view below needs a unit last stride.
             out = torch.empty((rows, heads, n, *tiles.shape[3:]), dtype=view.wide, device=half.device)
-            flat = out.copy_(tiles).view(rows, heads, n * bs, d // ratio).view(half.dtype)
+            flat = out.copy_(tiles).view(rows, heads, n * bs, d // view.ratio).view(half.dtype)
         else:
             tiles = half[table.reshape(-1)]  # [R * n, H, bs, D] as stored (a copy)
             tiles = tiles.reshape(rows * n, heads, -1)[..., order].view(rows * n, heads, bs, d)
