@@ -94,6 +94,17 @@ def unchecked_storage() -> Iterator[None]:
         _STORAGE_CHECKED.reset(token)
 
 
+def _resolved(caller: str, method: str | ResolvedMethod, budget: object, knobs: dict) -> ResolvedMethod:
+    """`method` resolved with `budget` and `knobs`, or a resolved value as it is (knobs beside it
+    are refused: they would be silently ignored)."""
+    if not isinstance(method, ResolvedMethod):
+        return resolve_method(method, budget, knobs)
+    if knobs:
+        names = ", ".join(knobs)
+        raise TypeError(f"{caller} got a resolved method and knobs ({names}): put them in resolve_method")
+    return method
+
+
 def make_cache(
     model, method: str | ResolvedMethod = "snapkv", budget: int | None = 128, **overrides
 ) -> CompressedCache:
@@ -111,13 +122,7 @@ def make_cache(
     that says what to change; `core.storage_pays`; `unchecked_storage` lifts that). Left
     unset, `residual` is a quarter of the budget, at most 32 (`quantize.default_residual`).
     """
-    if isinstance(method, ResolvedMethod):
-        if overrides:
-            raise TypeError(f"make_cache got a resolved method and knobs ({', '.join(overrides)}): "
-                            "put them in resolve_method")  # fmt: skip
-        resolved = method
-    else:
-        resolved = resolve_method(method, budget, overrides)
+    resolved = _resolved("make_cache", method, budget, overrides)
     rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
     budgets, policy = build_policy(
         resolved,
@@ -183,9 +188,7 @@ class CacheFactory:
     def __init__(
         self, model, method: str | ResolvedMethod = "snapkv", budget: int | None = 128, **knobs: Any
     ) -> None:
-        if isinstance(method, ResolvedMethod) and knobs:
-            raise TypeError(f"CacheFactory got a resolved method and knobs ({', '.join(knobs)})")
-        resolved = method if isinstance(method, ResolvedMethod) else resolve_method(method, budget, knobs)
+        resolved = _resolved("CacheFactory", method, budget, knobs)
         self.model, self.resolved = model, resolved
         self.method, self.budget, self.knobs = resolved.name, resolved.budget, dict(resolved.knobs)
         make_cache(model, self.resolved)  # raises now on what needs the model (e.g. a layer's budget)
