@@ -170,16 +170,15 @@ def test_a_numpy_integer_budget_is_taken() -> None:
     ],
 )
 def test_a_budget_below_the_protected_window_is_caught_without_the_model(method, budget, knobs) -> None:
-    spec = METHODS[method]
     with pytest.raises(KnobError, match="below the protected window"):
-        check_budget(spec, budget, check_knobs(spec, knobs))
+        reasonkv.resolve_method(method, budget, knobs)
     with pytest.raises(KnobError, match="below the protected window"):
         reasonkv.make_cache(tiny_model("llama"), method, budget, **knobs)
 
 
 def test_a_periodic_budget_that_keeps_nothing_is_a_knob_error() -> None:
     with pytest.raises(KnobError, match="P/c = 0"):
-        check_budget(METHODS["rpc"], 64, {"interval": 3})
+        reasonkv.resolve_method("rpc", 64, {"interval": 3})
 
 
 # ------------------------------------------------------- every knob is declared

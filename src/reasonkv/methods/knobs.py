@@ -178,23 +178,17 @@ def build_parts(spec: MethodSpec, overrides: dict) -> tuple[Allocator, LayerPoli
         raise KnobError(f"parameters of {spec.name!r} do not fit together: {err}") from None
 
 
-def check_budget(spec: MethodSpec, budget: object, knobs: dict | None = None) -> int:
-    """The budget as an int (1 for a method that never compresses, which ignores it); with the
-    method's checked knobs, also that compressing keeps the protected window
-    (`check_policy_budget`).
-
-    A budget is a whole number of tokens per KV head in [1, MAX_TOKENS].
-    """
+def check_budget(spec: MethodSpec, budget: object) -> int | None:
+    """The budget as an int, a whole number of tokens per KV head in [1, MAX_TOKENS]; None for a
+    method that never compresses (it ignores any budget). Whether compressing at it keeps the
+    protected window is `check_policy_budget`."""
     if not spec.compresses:
-        return 1
+        return None
     if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or not 1 <= budget <= MAX_TOKENS:
         raise KnobError(
             f"budget must be a positive number of tokens per KV head (at most 10^9), got {budget!r}"
         )
-    budget = int(budget)
-    if knobs is not None:
-        check_policy_budget(spec, budget, build_parts(spec, knobs)[1])
-    return budget
+    return int(budget)
 
 
 def check_policy_budget(spec: MethodSpec, budget: int, policy: LayerPolicy) -> None:

@@ -106,7 +106,7 @@ def resolve_method(
     except ValueError as err:
         raise KnobError(str(err)) from None
     checked = check_values(spec, dict(knobs or {}))
-    budget = check_budget(spec, budget) if spec.compresses else None
+    budget = check_budget(spec, budget)
     allocator, policy = build_parts(spec, at_budget(spec, budget, checked))
     if budget is not None:
         check_policy_budget(spec, budget, policy)
