@@ -48,16 +48,49 @@ def test_capacity_batch_refuses_a_nonpositive_peak_or_cap() -> None:
         bench.capacity_batch(1000, 10, 0)
 
 
-def test_layer_allocations_of_a_growing_and_a_buffered_layer() -> None:
+def allocations(method: str, budget: int | None, prompt: int, n: int, **knobs) -> list[dict]:
+    return bench.cache_allocations(make_cache(tiny_model("llama"), method, budget, **knobs), prompt, n)
+
+
+def test_allocations_of_a_growing_and_a_buffered_layer() -> None:
     # Never compresses: a chunk (256) past the prompt, then a chunk past what is needed.
-    full = bench.layer_allocations(10, 300, None, 0, 0)
-    assert full == {0: [(0, 266)], 257: [(266, 523)]}
+    full, *others = allocations("full", None, 10, 300)
+    assert full == {0: [(0, 266)], 257: [(266, 523)]} and all(x == full for x in others)
     # Budget 24 + interval 8: room for 32 at once, compacted into 24 + 8 slots at every 32nd token.
-    buffered = bench.layer_allocations(10, 40, 32, 24, 0)
+    buffered, *others = allocations("snapkv", 24, 10, 40, interval=8)
     assert buffered == {0: [(0, 32)], 22: [(32, 32)], 30: [(32, 32)], 38: [(32, 32)]}
+    assert all(x == buffered for x in others)
     # Two alike layers: both at their most, plus the old storage of the last one that grew.
     assert bench.peak_slots([full, full]) == 523 + 523 + 266
     assert bench.peak_slots([buffered, buffered]) == 3 * 32
+
+
+def test_an_every_step_layer_frees_a_hole_then_compacts() -> None:
+    """H2O at budget 16 fires at 17 tokens and has one hole slot: its 18 slots fill at step 8
+    (10 + 8), its first eviction (step 7, 17 tokens) is a hole, the next one compacts into
+    16 + 1 + 1 slots, and from then on every second step compacts."""
+    (h2o, *_) = allocations("h2o", 16, 10, 40)
+    assert h2o == {0: [(0, 18)], **{step: [(18, 18)] for step in range(8, 41, 2)}}
+
+
+@pytest.mark.parametrize(
+    ("method", "budget", "knobs"),
+    [("h2o", 16, {}), ("tova", 24, {}), ("snapkv", 24, KNOBS), ("beaconkv", 32, {}), ("pyramidkv", 24, {})],
+)
+@pytest.mark.parametrize("prompt", [10, 60])
+def test_repeating_the_first_cycle_that_recurs_is_stepping_every_token(
+    method: str, budget: int, knobs: dict, prompt: int
+) -> None:
+    """The counting run stops once the layer is back where it was one compaction earlier and
+    repeats that cycle: the same reallocations as running every step (the meter's peak is
+    checked against the real cache's below)."""
+    from reasonkv.core.slot_count import count_allocations
+
+    cache = make_cache(tiny_model("llama"), method, budget, **knobs)
+    for layer in cache.layers:
+        repeated = count_allocations(cache.policy, layer.budgets, prompt, 400)
+        assert repeated == count_allocations(cache.policy, layer.budgets, prompt, 400, repeat=False)
+        assert max(repeated) > 250  # reallocations all along, not only while filling
 
 
 def test_peak_slots_follows_the_layers_in_order() -> None:
@@ -116,6 +149,10 @@ def test_predicted_decode_peak_is_a_replay_alone(method: str) -> None:
     assert decode * slot == result.decode_peak_kv_bytes
     whole = bench.peak_kv_slots(cache, prompt_len, n, compresses=method != "full")
     assert whole * slot == result.peak_kv_bytes and (whole > decode or method == "full")
+    alone = bench.alone_peaks(model, method, budget, knobs, prompt_len, n)
+    assert alone.kv == result.decode_peak_kv_bytes
+    assert alone.state + alone.own == result.decode_peak_state_bytes  # one row: the cache's own bytes too
+    assert alone.kv < alone.state <= alone.kv + alone.beside  # the two peaks need not fall together
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Batch capacity at fixed memory: how many sequences' K/V fit, and how fast they decode together.
 
 For each run, the peak K/V bytes of one sequence decoding to the target length are predicted
-from its cache's schedule arithmetic before anything decodes (`peak_kv_slots`); the batch is
+before anything decodes, from its layers' storage reallocations as the layers themselves make
+them over one-byte K/V (`core/slot_count`, no model: `peak_kv_slots`); the batch is
 the most sequences whose peaks fit in the given memory (`capacity_batch`). That batch then
 decodes the reference tokens, one prompt repeated in every row and the same token fed to every
 row at each step, so every row does the same model work as a batch-1 run. What is reported:
@@ -17,64 +18,24 @@ from dataclasses import dataclass
 
 import torch
 
-from reasonkv.core.cache import GROWTH_CHUNK, CompressedCache
+from reasonkv.core.cache import CompressedCache
 from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.low_tier import LowTier
 from reasonkv.core.memory_meter import MemoryMeter, held_bytes
 from reasonkv.core.models import model_shape
 from reasonkv.core.quantize import STORAGE_KNOBS, KVFormat
+from reasonkv.core.slot_count import Allocations, count_allocations
 from reasonkv.harness.bench.decode import Progress, decode_many, eos_ids, reference_tokens
 from reasonkv.harness.bench.memory import release_memory
 from reasonkv.harness.bench.runs import BenchRun, is_plain_reference, is_reference, reference_method
 from reasonkv.methods.api import make_cache
 from reasonkv.methods.knobs import storage_knobs
 from reasonkv.methods.registry import get_method
+from reasonkv.methods.resolved import resolve_method
 from reasonkv.util.formatting import format_bytes
 
 MAX_BATCH = 256
 """The largest batch `--batch auto` picks (CPU runs stay bounded)."""
-
-
-Allocations = dict[int, list[tuple[int, int]]]
-"""One layer's storage reallocations: step (0 the prefill, i the i-th decode step) -> the
-(old, new) slot counts of each, in order (a growth in `update`, then a compaction)."""
-
-
-def layer_allocations(prompt: int, n: int, trigger: int | None, target: int, hole_slots: int) -> Allocations:
-    """Storage reallocations of one layer through a prefill of `prompt` tokens and `n` decode
-    steps, stepped with the arithmetic of `CompressedLayer.update` (grow to the trigger plus the
-    hole slots, a chunk at a time; past the trigger, to what is needed plus the slack) and
-    `CompressedLayer.keep_slots` / `evict_slot` (a hole, holes in place, or compaction into the
-    kept tokens plus the slack). For a layer whose heads all share one budget, one sequence, no padding: every
-    head then holds the same tokens, so slots equal tokens until eviction leaves holes.
-    trigger None: the layer never compresses (it grows a chunk past what it needs)."""
-    slack = GROWTH_CHUNK if trigger is None else max(1, trigger - target)
-    capacity = used = live = 0
-    events: Allocations = {}
-
-    def allocate(step: int, slots: int) -> None:
-        nonlocal capacity
-        events.setdefault(step, []).append((capacity, slots))
-        capacity = slots
-
-    for step, q in enumerate([prompt] + [1] * n):
-        needed = used + q
-        want = trigger + hole_slots if trigger is not None and needed <= trigger else needed + slack
-        if needed > capacity:
-            allocate(step, min(want, needed + GROWTH_CHUNK))
-        used += q
-        live += q
-        if trigger is None or live < trigger:
-            continue
-        room = used + slack <= capacity
-        if hole_slots and room and live - target <= 1 and used - target <= hole_slots:
-            live = target  # one token per head becomes a hole
-        elif used - target <= hole_slots and room:
-            live = target  # holes in place
-        else:
-            allocate(step, target + min(slack + hole_slots, GROWTH_CHUNK))
-            used = live = target
-    return events
 
 
 def peak_slots(layers: list[Allocations], since: int = 0) -> int:
@@ -103,11 +64,18 @@ def peak_held(
     """The most bytes one sequence holds at once from step `since` on, K/V and all beside it, as
     the cache's meter counts them: `kv_bytes` per K/V slot held (`layers`' reallocations, steps 0
     to `n_steps`) and what each layer holds beside K/V as it last recounted it (a layer recounts
-    at the end of its step: `beside[i](slots, step)` for layer i of `slots` slots after `step`)."""
+    at the end of its step: `beside[i](slots, step)` for layer i of `slots` slots after `step`,
+    never less at a later step).
+
+    Only the steps where some layer reallocates, the steps just before them, `since` and the
+    last are walked: between them nothing is reallocated and what is beside K/V only grows, so
+    the most held over a stretch without reallocations is at its end."""
     total = peak = held_beside = 0  # K/V slots held; the most bytes; all layers' last recounts
     recounted = [0] * len(layers)  # what each layer held beside K/V at its last recount
     capacity = [0] * len(layers)
-    for step in range(n_steps + 1):
+    moves = {step for events in layers for step in events}
+    walked = {0, since, n_steps} | moves | {step - 1 for step in moves}
+    for step in sorted(x for x in walked if 0 <= x <= n_steps):
         if 0 < step and since <= step:  # what is held when the step begins
             peak = max(peak, total * kv_bytes + held_beside)
         for i, events in enumerate(layers):
@@ -159,9 +127,18 @@ def peak_kv_slots(
     reason = unpredictable(cache, compresses)
     if reason is not None:
         raise ValueError(f"cannot predict the peak K/V of {cache.method} from its schedule: {reason}")
-    keys = [(x.plan.trigger_max, min(x.plan.targets), x.plan.hole_slots) for x in cache.layers]
-    stepped = {key: layer_allocations(prompt, n, *key) for key in set(keys)}  # alike layers: once
-    return peak_slots([stepped[key] for key in keys], since=1 if decode_only else 0)
+    return peak_slots(cache_allocations(cache, prompt, n), since=1 if decode_only else 0)
+
+
+def cache_allocations(cache: CompressedCache, prompt: int, n: int) -> list[Allocations]:
+    """Each layer's storage reallocations through a prefill of `prompt` tokens and `n` decode
+    steps of one sequence, counted by running the layer (`count_allocations`; layers of the same
+    budgets once)."""
+    keys = [tuple(x.budgets.tolist()) for x in cache.layers]
+    counted = {
+        key: count_allocations(cache.policy, torch.tensor(key), prompt, n) for key in dict.fromkeys(keys)
+    }
+    return [counted[key] for key in keys]
 
 
 @dataclass(frozen=True)
@@ -235,9 +212,7 @@ def _state_schedule(
     if reason is not None:
         raise ValueError(f"cannot predict the peak state of {cache.method} from its schedule: {reason}")
     shape = state_shape(model, fresh)
-    keys = [(x.plan.trigger_max, min(x.plan.targets), x.plan.hole_slots) for x in cache.layers]
-    stepped = {key: layer_allocations(prompt, n, *key) for key in set(keys)}
-    layers = [stepped[key] for key in keys]
+    layers = cache_allocations(cache, prompt, n)
     return layers, [shape.beside(i, prompt) for i in range(len(layers))], shape.own
 
 
@@ -267,13 +242,14 @@ def alone_peaks(
     tokens decoding `n` more (`decode_only`: after the prompt's forward, as replay's decode
     peaks). A ValueError says why the schedule cannot be followed (see `unpredictable`)."""
 
-    def fresh() -> CompressedCache:
-        return make_cache(model, method, budget, **knobs)
-
-    how = {"compresses": not is_reference(method), "decode_only": decode_only}
-    kv = peak_kv_slots(fresh(), prompt, n, **how) * slot_bytes(model)
-    state, own = peak_state_bytes(model, fresh(), fresh(), prompt, n, **how)
-    beside, _ = peak_state_bytes(model, fresh(), fresh(), prompt, n, **how, beside_only=True)
+    resolved = resolve_method(method, budget, knobs)
+    layers, beside_kv, own = _state_schedule(
+        model, make_cache(model, resolved), make_cache(model, resolved), prompt, n, not is_reference(method)
+    )
+    since, per_slot = 1 if decode_only else 0, slot_bytes(model)
+    kv = peak_slots(layers, since=since) * per_slot
+    state = peak_held(layers, n, since, per_slot, beside_kv)
+    beside = peak_held(layers, n, since, 0, beside_kv)
     return AlonePeaks(kv, state, beside, own)
 
 
