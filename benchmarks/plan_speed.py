@@ -6,7 +6,8 @@ checkout's `src` first on PYTHONPATH to time it beside this one, and compare the
 must be equal) as well as the seconds.
 
     python benchmarks/plan_speed.py --lengths 4096,16384 --out plan-speed.json
-    PYTHONPATH=/tmp/old/src python benchmarks/plan_speed.py --lengths 4096,16384 --out plan-speed-old.json
+    git archive dd2cff3 src | tar -x -C /tmp/old
+    PYTHONPATH=/tmp/old/src python benchmarks/plan_speed.py --commit dd2cff3 --out plan-speed-old.json
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def main() -> None:
     p.add_argument("--memory", default="2GiB", help="the memory a batch must fit (as --kv-memory takes it)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument(
+        "--commit", default=None, help="the commit timed, for a checkout git cannot name (git archive)"
+    )
     args = p.parse_args()
     model, _ = load_model(args.model, device="cpu", dtype="float32")
     runs = [
@@ -62,7 +66,7 @@ def main() -> None:
         "budget": args.budget,
         "memory": args.memory,
         "source": str(source),
-        "commit": commit.stdout.strip() or None,
+        "commit": args.commit or commit.stdout.strip() or None,
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

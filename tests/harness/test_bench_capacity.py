@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import N_LAYERS, build_tiny_model, greedy_loop, random_prompt, tiny_model
+from reasonkv.core import slot_count
 from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.harness import bench
 from reasonkv.harness.bench.capacity import at_16_bits, storage_extra
@@ -15,6 +16,7 @@ from reasonkv.methods.api import make_cache
 
 PROMPT = 10
 KNOBS = {"interval": 8}
+real_repeated = slot_count._repeated
 
 
 def run_of(method: str, budget: int | None = 24, **knobs) -> bench.BenchRun:
@@ -74,23 +76,55 @@ def test_an_every_step_layer_frees_a_hole_then_compacts() -> None:
 
 
 @pytest.mark.parametrize(
-    ("method", "budget", "knobs"),
-    [("h2o", 16, {}), ("tova", 24, {}), ("snapkv", 24, KNOBS), ("beaconkv", 32, {}), ("pyramidkv", 24, {})],
+    ("method", "budget", "knobs", "prompt"),
+    [
+        ("h2o", 16, {}, 10),
+        ("h2o", 16, {}, 60),
+        ("tova", 24, {"evict_every": 5}, 10),
+        ("streaming", 24, {"compact_every": 1}, 30),
+        ("snapkv", 24, KNOBS, 10),
+        ("snapkv", 24, KNOBS, 60),
+        ("snapkv", 100, {"interval": 300}, 500),  # the prompt past the trigger, slack past a chunk
+        ("beaconkv", 32, {}, 10),
+        ("pyramidkv", 24, {}, 60),
+    ],
 )
-@pytest.mark.parametrize("prompt", [10, 60])
 def test_repeating_the_first_cycle_that_recurs_is_stepping_every_token(
-    method: str, budget: int, knobs: dict, prompt: int
+    method: str, budget: int, knobs: dict, prompt: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The counting run stops once the layer is back where it was one compaction earlier and
-    repeats that cycle: the same reallocations as running every step (the meter's peak is
-    checked against the real cache's below)."""
-    from reasonkv.core.slot_count import count_allocations
-
+    """The counting run stops once a compression leaves the layer where an earlier one did and
+    repeats the steps between: the same reallocations as running every step (the meter's peak
+    is checked against the real cache's below)."""
+    repeats = []
+    monkeypatch.setattr(slot_count, "_repeated", lambda *a: repeats.append(a[1:3]) or real_repeated(*a))
     cache = make_cache(tiny_model("llama"), method, budget, **knobs)
     for layer in cache.layers:
-        repeated = count_allocations(cache.policy, layer.budgets, prompt, 400)
-        assert repeated == count_allocations(cache.policy, layer.budgets, prompt, 400, repeat=False)
-        assert max(repeated) > 250  # reallocations all along, not only while filling
+        repeated = slot_count.count_allocations(cache.policy, layer.budgets, prompt, 1200)
+        assert repeated == slot_count.count_allocations(
+            cache.policy, layer.budgets, prompt, 1200, repeat=False
+        )
+        assert max(repeated) > 1000  # reallocations all along, not only while filling
+    assert len(repeats) == len(cache.layers) and all(end < 1000 for _, end in repeats)  # it did stop
+
+
+def test_slot_counting_refuses_what_it_cannot_count() -> None:
+    model = tiny_model("llama")
+    for method, knobs, reason in [
+        ("snapkv", {"kv_bits": 4, "group_size": 16}, "not quantized"),
+        ("adakv-snapkv", {}, "head allocator"),
+    ]:
+        cache = make_cache(model, method, 64, **knobs)
+        with pytest.raises(ValueError, match=reason):
+            slot_count.count_allocations(cache.policy, cache.layers[0].budgets, 10, 40)
+
+
+def test_peak_held_of_no_decode_step_is_what_the_prompt_left() -> None:
+    """A decode peak (`since` 1) of a sequence that decodes nothing is what is held after the
+    prompt's forward: 10 slots of 2 bytes and 3 bytes beside (it was 0)."""
+    from reasonkv.harness.bench.capacity import peak_held
+
+    assert peak_held([{0: [(0, 10)]}], 0, 1, 2, [lambda slots, step: 3]) == 23
+    assert peak_held([{0: [(0, 10)]}], 0, 0, 2, [lambda slots, step: 3]) == 23
 
 
 def test_peak_slots_follows_the_layers_in_order() -> None:

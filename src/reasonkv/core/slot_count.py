@@ -8,12 +8,14 @@ method's schedule and protection takes a prompt and decode steps of one-byte key
 (one sequence, no model), and a meter that counts slots records each reallocation.
 
 Which tokens a compression keeps does not change how many it keeps (the schedule's `keep`,
-protection, one budget a head), so StreamingLLM's scorer, which reads no K/V, stands in
-for the method's. Forwards are
+protection, one budget a head), so StreamingLLM's scorer, which reads no K/V, stands in for
+the method's. Forwards are
 as long as the schedule allows (`steps_until_compress`) and storage has room, so a method that
-compresses every few hundred tokens takes a few forwards; one that evicts at every token runs
-until its storage and schedule are back where they were one compaction earlier, and the steps
-after that repeat those of that cycle.
+compresses every few hundred tokens takes a few forwards. And once a compression leaves the
+layer where an earlier one left it (its storage's slots, per-head counts and holes, the
+schedule's distance to the next compression), the steps after it repeat those since that
+earlier one, so the run stops there: a method that evicts at every token runs one cycle of
+holes and compaction, not the whole sequence.
 """
 
 from __future__ import annotations
@@ -52,8 +54,20 @@ def count_allocations(
     policy: LayerPolicy, budgets: torch.Tensor, prompt: int, n: int, *, repeat: bool = True
 ) -> Allocations:
     """Storage reallocations of one layer with per-head `budgets` [H] under `policy` (its
-    schedule and protection) through a prefill of `prompt` tokens and `n` decode steps, one
-    sequence. `repeat` False steps every cycle instead of repeating the first that recurs."""
+    schedule and protection) through a prefill of `prompt` tokens and `n` decode steps of one
+    token, one sequence. `repeat` False steps every cycle instead of repeating the first that
+    recurs. The layer's K/V must be stored as the model computes them, and how many tokens a
+    head keeps must not depend on which (no head allocator): a ValueError says which is not so
+    (`harness/bench/capacity.unpredictable` names every setting the planner cannot follow)."""
+    fmt = policy.kv_format
+    if fmt is not None and fmt.below_model_precision:
+        raise ValueError(
+            "slot counting follows K/V stored as the model computes them, not quantized or tiered"
+        )
+    if policy.head_allocator is not None:
+        raise ValueError(
+            "slot counting needs heads whose budgets do not move with their scores (a head allocator)"
+        )
     counter = SlotCounter()
     layer = CompressedLayer(0, budgets, dataclasses.replace(policy, scorer=StreamingScorer()), meter=counter)
     heads = budgets.numel()
@@ -64,7 +78,7 @@ def count_allocations(
         layer.after_attention(torch.zeros(1, heads, q, 1), None, 1.0)
 
     forward(prompt)
-    step, compressed, cycles = 0, 0, {}
+    step, compressed, cycles = 0, layer.n_compressions, {}
     while step < n:
         # As far as the next compression and the storage's room go (one token to grow), so
         # every reallocation falls at the step it falls at one token a forward.

@@ -89,7 +89,7 @@ def peak_held(
             recounted[i] = now
             if step >= since:
                 peak = max(peak, total * kv_bytes + held_beside)
-    return peak
+    return max(peak, total * kv_bytes + held_beside)  # no step from `since` on: what is held
 
 
 def unpredictable(cache: CompressedCache, compresses: bool) -> str | None:
@@ -239,8 +239,10 @@ def alone_peaks(
     model, method: str, budget: int | None, knobs: dict, prompt: int, n: int, *, decode_only: bool = True
 ) -> AlonePeaks:
     """`AlonePeaks` of `method` at `budget` with `knobs` on `model`, one sequence of `prompt`
-    tokens decoding `n` more (`decode_only`: after the prompt's forward, as replay's decode
-    peaks). A ValueError says why the schedule cannot be followed (see `unpredictable`)."""
+    tokens decoding `n` more one token a forward (`decode_only`: after the prompt's forward, as
+    replay's decode peaks; a replay whose forward of several tokens crosses a point where
+    storage grows grows once where this grows twice, and can peak lower). A ValueError says
+    why the schedule cannot be followed (see `unpredictable`)."""
 
     resolved = resolve_method(method, budget, knobs)
     layers, beside_kv, own = _state_schedule(
