@@ -10,7 +10,6 @@ import reasonkv
 from conftest import greedy_loop, random_prompt, tiny_model
 from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.policy.base import EMPTY
-from reasonkv.harness.bench.capacity import peak_kv_slots
 
 BUDGET, INTERVAL = 16, 8
 
@@ -103,10 +102,3 @@ def test_chunks_of_steps_until_compress_replay_the_decode_phase_exactly() -> Non
     assert len(by_chunk) < len(by_step)
     for fed, n, k in by_chunk:
         assert (n, k) == at[fed]
-
-
-def test_the_capacity_planner_refuses_the_decode_phase() -> None:
-    model = tiny_model("llama", "sdpa", 2)
-    assert peak_kv_slots(reasonkv.make_cache(model, "snapkv", BUDGET, interval=INTERVAL), 40, 40) > 0
-    with pytest.raises(ValueError, match="phase=decode"):
-        peak_kv_slots(reasonkv.make_cache(model, "snapkv", BUDGET, interval=INTERVAL, phase="decode"), 40, 40)

@@ -149,6 +149,8 @@ def test_peak_slots_follows_the_layers_in_order() -> None:
         ("rkv", {}),
         ("beaconkv", {}),
         ("pyramidkv", KNOBS),
+        ("snapkv", {**KNOBS, "phase": "decode"}),  # from the prompt's end: the counting run's prompt
+        ("snapkv", {**KNOBS, "protect_prompt": True}),  # 30 tokens kept past the budget of 24
     ],
 )
 def test_predicted_peak_is_what_the_cache_meter_measures(method: str, knobs: dict, prompt_len: int) -> None:
@@ -195,7 +197,6 @@ def test_predicted_decode_peak_is_a_replay_alone(method: str) -> None:
         ("rpc", {}, "no fixed trigger"),
         ("adakv-snapkv", {}, "re-splits the budget between heads"),
         ("quant-int4", {"group_size": 16}, "quantized to 4 bits"),  # the tiny head dim: 16
-        ("snapkv", {"protect_prompt": True}, "keeps the whole prompt"),
         ("snapkv", {"low_budget": 32, "group_size": 16}, "low tier of 32 tokens"),
         ("beaconkv-all-queries", {}, "buffers grow with the sequence"),
     ],
@@ -316,8 +317,19 @@ def test_a_batch_capacity_run_fits_its_memory_and_reports_each_run() -> None:
         ("beaconkv", {}),
         ("beaconkv", {"beacon_bits": 8, "window_bits": 8, "upkeep_every": 1}),
         ("initial-recent", {"beacon_bits": 8}),
+        ("snapkv", {**KNOBS, "phase": "decode"}),
+        ("snapkv", {**KNOBS, "protect_prompt": True}),
     ],
-    ids=["streaming", "h2o", "snapkv", "beaconkv", "beaconkv-8bit", "initial-recent-8bit"],
+    ids=[
+        "streaming",
+        "h2o",
+        "snapkv",
+        "beaconkv",
+        "beaconkv-8bit",
+        "initial-recent-8bit",
+        "snapkv-decode-phase",
+        "snapkv-kept-prompt",
+    ],
 )
 def test_the_predicted_state_peak_is_the_meters(method: str, knobs: dict, prompt: int, dtype) -> None:
     """One sequence through a prompt and 40 tokens: the predicted peak of everything it holds

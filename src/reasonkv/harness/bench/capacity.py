@@ -101,14 +101,10 @@ def unpredictable(cache: CompressedCache, compresses: bool) -> str | None:
             return "its schedule has no fixed trigger (the cache grows with the sequence)"
         if plan.triggers is not None and (len(set(plan.triggers)) > 1 or len(set(plan.targets)) > 1):
             return "its heads have different budgets within a layer"
-    if policy.schedule.from_prompt_end:
-        return "it compresses on a count of decode steps, so its peak depends on the prompt (phase=decode)"
     if policy.scorer.state_grows:
         return "its scorer's buffers grow with the sequence (an ablation that holds every past query)"
     if policy.head_allocator is not None:
         return "it re-splits the budget between heads at every compression"
-    if policy.protect_prompt:
-        return "it keeps the whole prompt, even past its budget"
     fmt = policy.kv_format
     if fmt is not None and fmt.quantized:
         return f"its K/V are quantized to {fmt.kv_bits} bits"
