@@ -147,3 +147,29 @@ def test_resolving_refuses_in_one_line_before_any_model() -> None:
         reasonkv.resolve_method("snapkv", 4)
     with pytest.raises(ValueError, match="beacon_min < beacon_max"):
         reasonkv.resolve_method("beaconkv", 64, {"beacon_min": 32, "beacon_max": 16})
+
+
+def test_the_runs_of_replay_bench_and_analyze_resolve_once_each() -> None:
+    """`build_runs` (replay, bench, analyze): the knobs are shared out once (once more for an
+    entry with knobs of its own), each (method, budget) is resolved once, `full` once whatever
+    the budgets, and the runs' caches resolve nothing again. A record's knobs spell out the
+    group size of a quantized run, and its resolved value says the same."""
+    from reasonkv.cli.common import build_runs
+
+    with entries() as seen:
+        runs = build_runs(["snapkv", "h2o:kv_bits=4", "full"], [16, 32], {"window": 4})
+        for run in runs[:2] + runs[-1:]:  # the tiny model's head dim is below h2o's group size
+            reasonkv.make_cache(tiny_llama("sdpa"), run.resolved)
+    assert seen == Counter(share_knobs=2, resolve_method=5)
+    assert [r.label for r in runs] == [
+        "snapkv@16",
+        "snapkv@32",
+        "h2o:kv_bits=4@16",
+        "h2o:kv_bits=4@32",
+        "full",
+    ]
+    h2o = runs[2]
+    assert h2o.knobs == dict(h2o.resolved.knobs) == {"kv_bits": 4, "group_size": 32}
+    assert runs[0].knobs == {"window": 4} and runs[0].resolved == reasonkv.resolve_method(
+        "snapkv", 16, {"window": 4}
+    )

@@ -23,11 +23,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from reasonkv.core.models import resolve_device, resolve_dtype
 from reasonkv.core.policy.knob import MAX_TOKENS
 from reasonkv.core.random_models import RANDOM_MODELS
-from reasonkv.harness.record_knobs import record_knobs
+from reasonkv.harness.record_knobs import recorded
 from reasonkv.harness.replay_run import ReplayRun
 from reasonkv.methods.api import make_cache
-from reasonkv.methods.knobs import knobs_for_methods
-from reasonkv.methods.registry import get_method
+from reasonkv.methods.knobs import share_knobs
+from reasonkv.methods.resolved import resolve_method
 from reasonkv.util.progress import LineProgress, progress_for
 from reasonkv.util.runtime import quiet_loading
 
@@ -184,26 +184,23 @@ def build_runs(methods: list[str], budgets: list[int], knobs: dict[str, object])
     entries = list(
         dict.fromkeys((name, tuple(own.items())) for name, own in map(parse_method_entry, methods))
     )
-    shared = knobs_for_methods([name for name, _ in entries], knobs)
+    shared = share_knobs([name for name, _ in entries], knobs)
     runs = []
     for name, extra in entries:
         own = (
             shared[name]
             if not extra
-            else knobs_for_methods([name], {}, {name: {**shared[name], **dict(extra)}})[name]
+            else share_knobs([name], {}, {name: {**shared[name], **dict(extra)}})[name]
         )
         ignored = [k for k, _ in extra if k not in own]
         if ignored:  # a method that never compresses takes its storage knobs only
             raise CliError(f"method {name!r} does not use {', '.join(ignored)} (given as {name}:...)")
-        own = record_knobs(name, own)
         tag = "".join(f":{k}={v}" for k, v in extra)
-        if not get_method(name).compresses:
-            runs.append(ReplayRun(name, None, own, tag))
-            continue
-        made = [ReplayRun(name, b, own, tag) for b in budgets]
-        for run in made:
-            run.resolved  # noqa: B018 (resolved now, kept for its caches: a bad budget fails here)
-        runs += made
+        for budget in budgets or [None]:  # resolved here, once, for every cache the run makes
+            run = ReplayRun.of(recorded(resolve_method(name, budget, own)), tag)
+            runs.append(run)
+            if not run.resolved.compresses:  # `full` once, whatever the budgets
+                break
     return runs
 
 

@@ -29,6 +29,13 @@ class ReplayRun:
     def label(self) -> str:
         return self.name if self.budget is None else f"{self.name}@{self.budget}"
 
+    @classmethod
+    def of(cls, resolved: ResolvedMethod, tag: str = "") -> ReplayRun:
+        """The run of a value resolved already (it is not resolved again)."""
+        run = cls(resolved.name, resolved.budget, dict(resolved.knobs), tag)
+        run.__dict__["resolved"] = resolved  # where the cached property keeps it
+        return run
+
     @functools.cached_property
     def resolved(self) -> ResolvedMethod:
         """The setting checked and its parts built once, for every cache this run makes."""

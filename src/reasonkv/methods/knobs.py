@@ -239,13 +239,13 @@ def check_protected_window(spec: MethodSpec, budget: int, kept: int, protected: 
         )
 
 
-def knobs_for_methods(
+def share_knobs(
     methods: list[str], shared: dict[str, object], per_method: dict[str, dict] | None = None
 ) -> dict[str, dict[str, object]]:
-    """Each method's checked knobs: a shared knob goes to every method that has it (one that no
-    method has is a typo, and an error), `per_method[name]` to that method only, over the shared
-    ones. A method that never compresses gets only its storage knobs (kv_bits...): the others
-    would change nothing."""
+    """Each method's knobs, not yet checked: a shared knob goes to every method that has it (one
+    that no method has is a typo, and an error), `per_method[name]` to that method only, over
+    the shared ones. A method that never compresses gets only its storage knobs (kv_bits...):
+    the others would change nothing. Their values are checked where each setting resolves."""
     specs = {name: get_method(name) for name in dict.fromkeys(methods)}
     known = set().union(*(spec.knobs() for spec in specs.values()))
     check_known(shared, known, f"methods {', '.join(specs)}")
@@ -255,8 +255,19 @@ def knobs_for_methods(
         mine.update((per_method or {}).get(name, {}))
         if not spec.compresses:
             mine = {k: v for k, v in mine.items() if k in storage_knobs(spec)}
-        out[name] = check_knobs(spec, mine)
+        out[name] = mine
     return out
+
+
+def knobs_for_methods(
+    methods: list[str], shared: dict[str, object], per_method: dict[str, dict] | None = None
+) -> dict[str, dict[str, object]]:
+    """`share_knobs`, each method's checked (`check_knobs`): a sweep grid's knobs, checked
+    before its budgets are known."""
+    return {
+        name: check_knobs(get_method(name), mine)
+        for name, mine in share_knobs(methods, shared, per_method).items()
+    }
 
 
 def storage_knobs(spec: MethodSpec) -> dict[str, object]:
