@@ -135,3 +135,13 @@ def test_replay_refuses_storage_that_quantizes_nothing_in_one_line_before_replay
     result = runner.invoke(cli.app, [*args, *STORAGE_ARGS, "--out", str(tmp_path / "r.json")], env=WIDE)
     assert NOTHING in one_clean_line(result)
     assert not (tmp_path / "r.json").exists()
+
+
+def test_runs_without_budgets_are_the_methods_that_never_compress() -> None:
+    """No budgets (an API caller's list; the CLI refuses an empty one): a compressing method has
+    no run, one that never compresses runs once, as it does beside budgets."""
+    assert common.build_runs(["snapkv"], [], {}) == []
+    assert [r.label for r in common.build_runs(["snapkv", "full", "quant-int4"], [], {})] == [
+        "full",
+        "quant-int4",
+    ]

@@ -27,6 +27,7 @@ from reasonkv.harness.record_knobs import recorded
 from reasonkv.harness.replay_run import ReplayRun
 from reasonkv.methods.api import make_cache
 from reasonkv.methods.knobs import share_knobs
+from reasonkv.methods.registry import get_method
 from reasonkv.methods.resolved import resolve_method
 from reasonkv.util.progress import LineProgress, progress_for
 from reasonkv.util.runtime import quiet_loading
@@ -196,7 +197,9 @@ def build_runs(methods: list[str], budgets: list[int], knobs: dict[str, object])
         if ignored:  # a method that never compresses takes its storage knobs only
             raise CliError(f"method {name!r} does not use {', '.join(ignored)} (given as {name}:...)")
         tag = "".join(f":{k}={v}" for k, v in extra)
-        for budget in budgets or [None]:  # resolved here, once, for every cache the run makes
+        # No budgets: only a method that never compresses runs (once, as it does with budgets).
+        listed = budgets or ([] if get_method(name).compresses else [None])
+        for budget in listed:  # resolved here, once, for every cache the run makes
             run = ReplayRun.of(recorded(resolve_method(name, budget, own)), tag)
             runs.append(run)
             if not run.resolved.compresses:  # `full` once, whatever the budgets

@@ -236,9 +236,10 @@ def alone_peaks(
 ) -> AlonePeaks:
     """`AlonePeaks` of `method` at `budget` with `knobs` on `model`, one sequence of `prompt`
     tokens decoding `n` more one token a forward (`decode_only`: after the prompt's forward, as
-    replay's decode peaks; a replay whose forward of several tokens crosses a point where
-    storage grows grows once where this grows twice, and can peak lower). A ValueError says
-    why the schedule cannot be followed (see `unpredictable`)."""
+    replay's decode peaks). A replay whose forwards take several tokens can peak elsewhere:
+    lower where one forward crosses a point where storage grows (it grows once where this
+    grows twice), higher with `phase=decode` and a prompt past the budget (found with blocks
+    of 8). A ValueError says why the schedule cannot be followed (see `unpredictable`)."""
 
     resolved = resolve_method(method, budget, knobs)
     layers, beside_kv, own = _state_schedule(
