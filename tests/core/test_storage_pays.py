@@ -77,9 +77,10 @@ def steps_for(cache) -> int:
     compactions (an every-step schedule compacts each hole_slots + 1 steps)."""
     most = 0
     for layer in cache.layers:
-        x = quantized_peak.LayerSlots.of(layer.plan)
-        cycle = max(x.trigger - x.target, x.hole_slots + 1)
-        most = max(most, x.trigger - PROMPT + 2 * cycle + 2)
+        plan = layer.plan
+        trigger, target = plan.trigger_max, min(plan.targets)
+        cycle = max(trigger - target, plan.hole_slots + 1)
+        most = max(most, trigger - PROMPT + 2 * cycle + 2)
     return most
 
 
@@ -101,7 +102,7 @@ def predicted(cache) -> tuple[int, int] | None:
         return None
     config = model().config
     slot = quantized_peak.SlotBytes(config.num_key_value_heads, config.head_dim, cache.policy.kv_format)
-    layers = [quantized_peak.LayerSlots.of(layer.plan) for layer in cache.layers]
+    layers = [quantized_peak.LayerSlots.counted(cache.policy, layer.budgets) for layer in cache.layers]
     return quantized_peak.peak_16bit(layers, slot), quantized_peak.peak_quantized(layers, slot)
 
 

@@ -1,15 +1,16 @@
 """What one sequence's K/V peak is while it decodes, at 16 bits and with quantized storage,
-from the schedule's arithmetic alone: how `make_cache` tells a storage setting that can never
-quantize a token, or that holds more than kv_bits=16 would, before anything runs.
+before anything runs: how `make_cache` tells a storage setting that can never quantize a
+token, or that holds more than kv_bits=16 would.
 
 Bytes are counted as the meter's `peak_kv_bytes_16bit` counts them (every float at 2 bytes,
 codes as they are), for one batch row whose heads share their layer's budget, decoding long
-enough to compress at least twice (the steady state). They follow the allocations that
-`CompressedLayer` and `QuantizedKVStorage` make:
+enough to compress at least twice (the steady state). How many slots a layer allocates, as
+it grows and as it compacts, is counted by running the layer itself (`LayerSlots.counted`,
+`core/slot_count`); what those slots cost is `QuantizedKVStorage`'s format, below:
 
-- At 16 bits a layer holds `trigger + hole_slots` slots; a compaction makes new storage of
-  `target + slack + hole_slots` slots while the old is still held (the peak: every layer's
-  storage and one new one).
+- At 16 bits a layer holds its `capacity` (`trigger + hole_slots` slots); a compaction makes
+  new storage of `compacted` slots (`target + slack + hole_slots`) while the old is still held
+  (the peak: every layer's storage and one new one).
 - Quantized, a layer holds a quantized part of `(slots - residual)` rounded down to whole
   groups (a compaction makes it that big at once) and a full-precision residual buffer of
   `residual + group_size` slots. Each step reads one layer's dequantized copy of every slot
@@ -31,13 +32,16 @@ methods, budgets and settings.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from reasonkv.core.kv_basis import READ_CHUNK
 from reasonkv.core.layer import GROWTH_CHUNK
-from reasonkv.core.policy.contract import BudgetPlan
 from reasonkv.core.quantize import KVFormat
 from reasonkv.core.quantized_storage import KEY_CHUNK
+from reasonkv.core.slot_count import count_allocations
+from reasonkv.core.step import LayerPolicy
 
 FLOAT_BYTES = 2
 """A float's bytes at serving precision, as `peak_kv_bytes_16bit` counts them."""
@@ -45,29 +49,38 @@ FLOAT_BYTES = 2
 
 @dataclass(frozen=True)
 class LayerSlots:
-    """One layer's schedule arithmetic, as its storage sees it (see `BudgetPlan`)."""
+    """One layer's slots as its storage sees them: the schedule's arithmetic (see `BudgetPlan`)
+    and the two sizes the layer allocates, counted by running it (`core/slot_count`)."""
 
     trigger: int  # the largest head's trigger
     target: int  # the smallest head's target
     hole_slots: int
+    capacity: int
+    """Slots `update` allocates once a head is on its way to the trigger (the most it holds)."""
+    compacted: int
+    """Slots a compaction allocates: the kept tokens, the slack until the next one, the holes."""
 
     @classmethod
-    def of(cls, plan: BudgetPlan) -> LayerSlots | None:
-        """The layer's slots, or None for a layer that never compresses (unbounded)."""
+    def counted(cls, policy: LayerPolicy, budgets: torch.Tensor) -> LayerSlots | None:
+        """The layer of per-head `budgets` [H] under `policy`, its sizes those of a run of the
+        layer itself from a one-token prompt through two compactions at least (K/V as the model
+        computes them and heads that keep their budgets: what is counted is slots, the same
+        for quantized storage). None for a layer that never compresses."""
+        plan = policy.schedule.plan([int(b) for b in budgets.tolist()])
         if plan.triggers is None:
             return None
-        return cls(plan.trigger_max, min(plan.targets), plan.hole_slots)
-
-    @property
-    def capacity(self) -> int:
-        """Slots `update` allocates once a head is on its way to the trigger."""
-        return self.trigger + self.hole_slots
-
-    @property
-    def compacted(self) -> int:
-        """Slots a compaction allocates: the kept tokens, the slack until the next one, the holes."""
-        slack = max(1, self.trigger - self.target)
-        return self.target + min(slack + self.hole_slots, GROWTH_CHUNK)
+        plain = replace(policy, kv_format=None, head_allocator=None)
+        cycle = max(plan.trigger_max - min(plan.targets), plan.hole_slots + 1)
+        events = count_allocations(
+            plain, budgets, 1, plan.trigger_max + plan.hole_slots + 3 * cycle + GROWTH_CHUNK
+        )
+        moves = [move for step in sorted(events) for move in events[step]]
+        shrinks = [new for old, new in moves if new <= old]  # compactions; growth only grows
+        if not shrinks:
+            return None
+        return cls(
+            plan.trigger_max, min(plan.targets), plan.hole_slots, max(n for _, n in moves), shrinks[-1]
+        )
 
     @property
     def most_slots(self) -> int:

@@ -1,6 +1,7 @@
 """Whether quantized storage pays at a budget, judged before anything runs: a setting below 16
 bits that never quantizes a token, or whose decoding peak is above the same cache's at 16 bits
-(both from `quantized_peak`'s arithmetic of `QuantizedKVStorage`), is refused with what to change."""
+(both from `quantized_peak`: the layers' slots as they run, and what `QuantizedKVStorage`
+makes of them), is refused with what to change."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def storage_refusal(
     budget: int,
     fmt: KVFormat,
     plans: list[BudgetPlan],
+    layers: list[quantized_peak.LayerSlots | None],
     shape: tuple[int, int],
     *,
     head_split: bool,
@@ -31,8 +33,9 @@ def storage_refusal(
 ) -> str | None:
     """Why `method` stored as `fmt` does not pay at `budget` (one sentence that says what to
     change), or None: it pays, or it cannot be judged from the budget. `plans` are the layers'
-    budget plans, `shape` (KV heads, head dim); `head_split`: a head allocator splits each
-    layer's budget as the cache runs; `residual_given`: the residual was set, not defaulted.
+    budget plans, `layers` their slots (`LayerSlots.counted`), `shape` (KV heads, head dim);
+    `head_split`: a head allocator splits each layer's budget as the cache runs;
+    `residual_given`: the residual was set, not defaulted.
 
     The caller leaves out the settings where the tokens a head holds are not the budget's to
     say (a schedule that never compresses or counts from the prompt's end, a kept prompt).
@@ -41,7 +44,6 @@ def storage_refusal(
     save `HEAD_SPLIT_MARGIN`."""
     if not fmt.quantized:
         return None
-    layers = [quantized_peak.LayerSlots.of(plan) for plan in plans]
     if any(layer is None for layer in layers):
         return None
     r, g = fmt.residual, fmt.group_size

@@ -16,6 +16,7 @@ from reasonkv.core import attention
 from reasonkv.core.cache import CompressedCache, LayerPolicy
 from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import ModelShape, attention_modules, model_shape
+from reasonkv.core.quantized_peak import LayerSlots
 from reasonkv.core.storage_pays import storage_refusal
 from reasonkv.methods.knobs import KnobError
 from reasonkv.methods.profiles import find_profile, load_profile
@@ -161,10 +162,13 @@ def build_policy(
         heads = (shape.n_kv_heads, shape.head_dim)
         # Where the budget does not say what a head holds (a schedule counted from the
         # prompt's end, a kept prompt) the storage cannot be judged from it.
-        if not (policy.schedule.from_prompt_end or policy.protect_prompt):
+        if storage.quantized and not (policy.schedule.from_prompt_end or policy.protect_prompt):
             split, given = policy.head_allocator is not None, "residual" in knobs
+            rows = [tuple(layer.tolist()) for layer in budgets]
+            counted = {row: LayerSlots.counted(policy, torch.tensor(row)) for row in dict.fromkeys(rows)}
+            layers = [counted[row] for row in rows]
             why = storage_refusal(
-                spec.name, budget, storage, plans, heads, head_split=split, residual_given=given
+                spec.name, budget, storage, plans, layers, heads, head_split=split, residual_given=given
             )
             if why is not None:
                 raise KnobError(why)
