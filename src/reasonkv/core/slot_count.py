@@ -9,13 +9,12 @@ method's schedule and protection takes a prompt and decode steps of one-byte key
 
 Which tokens a compression keeps does not change how many it keeps (the schedule's `keep`,
 protection, one budget a head), so StreamingLLM's scorer, which reads no K/V, stands in for
-the method's. Forwards are
-as long as the schedule allows (`steps_until_compress`) and storage has room, so a method that
-compresses every few hundred tokens takes a few forwards. And once a compression leaves the
-layer where an earlier one left it (its storage's slots, per-head counts and holes, the
-schedule's distance to the next compression), the steps after it repeat those since that
-earlier one, so the run stops there: a method that evicts at every token runs one cycle of
-holes and compaction, not the whole sequence.
+the method's. Forwards are as long as the schedule allows (`steps_until_compress`) and
+storage has room, so a method that compresses every few hundred tokens takes a few forwards.
+And once a compression leaves the layer where an earlier one left it (its storage's slots,
+per-head counts and holes, the schedule's distance to the next compression), the steps after
+it repeat those since that earlier one, so the run stops there: a method that evicts at every
+token runs one cycle of holes and compaction, not the whole sequence.
 """
 
 from __future__ import annotations
