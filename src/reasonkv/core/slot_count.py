@@ -20,6 +20,8 @@ token runs one cycle of holes and compaction, not the whole sequence.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 
@@ -27,6 +29,8 @@ from reasonkv.core.layer import CompressedLayer
 from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.scorers.streaming import StreamingScorer
 from reasonkv.core.step import LayerPolicy
+
+T = TypeVar("T")
 
 Allocations = dict[int, list[tuple[int, int]]]
 """One layer's storage reallocations: step (0 the prefill, i the i-th decode step) -> the
@@ -94,6 +98,14 @@ def count_allocations(
             return _repeated(counter.events, cycles[state], step, n)
         cycles[state] = step
     return counter.events
+
+
+def per_layer(budgets: Iterable[torch.Tensor], count: Callable[[torch.Tensor], T]) -> list[T]:
+    """`count(row)` for each layer's per-head budgets, run once per distinct row: alike layers
+    (every layer of a uniform allocator) count once."""
+    rows = [tuple(row.tolist()) for row in budgets]
+    counted = {row: count(torch.tensor(row)) for row in dict.fromkeys(rows)}
+    return [counted[row] for row in rows]
 
 
 def _state(layer: CompressedLayer) -> tuple:

@@ -17,6 +17,7 @@ from reasonkv.core.cache import CompressedCache, LayerPolicy
 from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import ModelShape, attention_modules, model_shape
 from reasonkv.core.quantized_peak import LayerSlots
+from reasonkv.core.slot_count import per_layer
 from reasonkv.core.storage_pays import storage_refusal
 from reasonkv.methods.knobs import KnobError
 from reasonkv.methods.profiles import find_profile, load_profile
@@ -164,9 +165,7 @@ def build_policy(
         # prompt's end, a kept prompt) the storage cannot be judged from it.
         if storage.quantized and not (policy.schedule.from_prompt_end or policy.protect_prompt):
             split, given = policy.head_allocator is not None, "residual" in knobs
-            rows = [tuple(layer.tolist()) for layer in budgets]
-            counted = {row: LayerSlots.counted(policy, torch.tensor(row)) for row in dict.fromkeys(rows)}
-            layers = [counted[row] for row in rows]
+            layers = per_layer(budgets, lambda row: LayerSlots.counted(policy, row))
             why = storage_refusal(
                 spec.name, budget, storage, plans, layers, heads, head_split=split, residual_given=given
             )

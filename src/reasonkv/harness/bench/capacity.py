@@ -24,7 +24,7 @@ from reasonkv.core.low_tier import LowTier
 from reasonkv.core.memory_meter import MemoryMeter, held_bytes
 from reasonkv.core.models import model_shape
 from reasonkv.core.quantize import STORAGE_KNOBS, KVFormat
-from reasonkv.core.slot_count import Allocations, count_allocations
+from reasonkv.core.slot_count import Allocations, count_allocations, per_layer
 from reasonkv.harness.bench.decode import Progress, decode_many, eos_ids, reference_tokens
 from reasonkv.harness.bench.memory import release_memory
 from reasonkv.harness.bench.runs import BenchRun, is_plain_reference, is_reference, reference_method
@@ -130,11 +130,8 @@ def cache_allocations(cache: CompressedCache, prompt: int, n: int) -> list[Alloc
     """Each layer's storage reallocations through a prefill of `prompt` tokens and `n` decode
     steps of one sequence, counted by running the layer (`count_allocations`; layers of the same
     budgets once)."""
-    keys = [tuple(x.budgets.tolist()) for x in cache.layers]
-    counted = {
-        key: count_allocations(cache.policy, torch.tensor(key), prompt, n) for key in dict.fromkeys(keys)
-    }
-    return [counted[key] for key in keys]
+    budgets = [layer.budgets for layer in cache.layers]
+    return per_layer(budgets, lambda row: count_allocations(cache.policy, row, prompt, n))
 
 
 @dataclass(frozen=True)
