@@ -30,6 +30,7 @@ from reasonkv.harness.report import (
     summarize_results,
     unit_peak_16bit,
 )
+from reasonkv.methods.knobs import BudgetError
 
 HERE = Path(__file__).resolve().parent  # this module: the sweep loader below
 TESTS = HERE.parent  # the tests folder: conftest and the helper modules
@@ -195,6 +196,9 @@ def test_a_two_tier_unit_records_its_tier_width_so_a_changed_default_changes_its
         ({"knobs": {"h2o": {"window": 2}}}, "not one of the grid's methods"),
         ({"seeds": [0, 1]}, "replay is deterministic"),
         ({"budgets": [16, -1]}, "positive"),
+        ({"budgets": [2, 4]}, "'snapkv' runs at none of the grid's budgets: budget 2 is below the protected"),
+        ({"knobs": {"snapkv": {"beacon_max": 8}}}, "unknown parameter(s) beacon_max for method 'snapkv'"),
+        ({"knobs": {"snapkv": {"window": 0}}}, "parameter 'window' of 'snapkv' must be"),
         ({"datasets": [{"trace": "x"}]}, "needs `traces`"),
         ({"settings": {"max_tokens": 1}}, "at least 2"),
         ({"settings": {"samples": 2}}, "unknown key(s) samples"),
@@ -205,6 +209,33 @@ def test_a_two_tier_unit_records_its_tier_width_so_a_changed_default_changes_its
 def test_bad_grids_are_one_clear_error(tmp_path, over, message) -> None:
     with pytest.raises(sw.GridError, match=re.escape(message)):
         grid_of(tmp_path, **over)
+
+
+def test_a_grid_needs_budgets_only_where_a_method_compresses(tmp_path) -> None:
+    data = replay_grid(tmp_path, methods=["full"], knobs={})
+    del data["budgets"]
+    grid = sw.parse_grid(data, tmp_path)
+    assert list(grid.runs) == [("full", None)] and grid.knobs == {"full": {}}
+    data["methods"] = ["full", "snapkv"]
+    with pytest.raises(sw.GridError, match=re.escape("the grid needs `budgets`: 'snapkv' compresses")):
+        sw.parse_grid(data, tmp_path)
+
+
+def test_a_grid_resolves_each_run_once_and_keeps_a_budget_its_method_refuses(tmp_path) -> None:
+    grid = grid_of(tmp_path, budgets=[4, 16])
+    assert list(grid.runs) == [
+        ("full", None),
+        ("snapkv", 4),
+        ("snapkv", 16),
+        ("streaming", 4),
+        ("streaming", 16),
+    ]
+    refused = grid.runs[("snapkv", 4)]
+    assert isinstance(refused, BudgetError) and "below the protected window" in str(refused)
+    ran = grid.runs[("snapkv", 16)]
+    assert ran.budget == 16 and dict(ran.knobs) == grid.knobs["snapkv"] == {"interval": 8}
+    units = sw.expand(grid)
+    assert all(u.resolved is grid.runs[(u.config["method"], u.config["budget"])] for u in units)
 
 
 def test_toml_and_yaml_grids_read_alike(tmp_path) -> None:

@@ -17,10 +17,12 @@ import reasonkv
 from conftest import build_tiny_model, greedy_loop, random_prompt, tiny_model
 from reasonkv.cli import common
 from reasonkv.core.quantize import KVFormat
+from reasonkv.harness.sweep.grid import parse_grid
 from reasonkv.harness.sweep.units import unit_key
-from reasonkv.methods.knobs import KnobError, check_knobs, knobs_for_methods, stores_quantized
+from reasonkv.methods.knobs import KnobError, check_knobs, stores_quantized
 from reasonkv.methods.presets import PRESETS
 from reasonkv.methods.registry import METHODS, get_method, register, resolve
+from reasonkv.methods.resolved import resolve_method
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = sorted((ROOT / "docs" / "results").glob("*.jsonl"))
@@ -139,9 +141,13 @@ def test_the_cli_and_sweeps_take_a_preset_as_a_method() -> None:
     (run,) = common.build_runs(["beaconkv-int4"], [671], {"n_sink": 2})
     assert (run.method, run.budget) == ("beaconkv-int4", 671)
     assert run.knobs == {**PRESETS["beaconkv-int4"].knobs, "n_sink": 2}
-    knobs = knobs_for_methods(["beaconkv-lean", "snapkv"], {"window": 4})
-    assert knobs["beaconkv-lean"] == {**PRESETS["beaconkv-lean"].knobs}  # beaconkv has no `window`
-    assert knobs["snapkv"] == {"window": 4}
+    grid = parse_grid(
+        {"kind": "replay", "models": ["tiny"], "methods": ["beaconkv-lean", "snapkv"], "budgets": [64],
+         "knobs": {"window": 4}, "datasets": [{"traces": "t.jsonl"}]}
+    )  # fmt: skip
+    assert grid.knobs["beaconkv-lean"] == {**PRESETS["beaconkv-lean"].knobs}  # beaconkv has no `window`
+    assert grid.knobs["snapkv"] == {"window": 4}
+    assert grid.runs[("beaconkv-lean", 64)] == resolve_method("beaconkv-lean", 64)
 
 
 def _pooled(rows: list[dict]) -> tuple[float, float]:

@@ -1,12 +1,13 @@
 """A method is resolved once, at the edge where it is named: following the name from the CLI,
-from `make_cache`, from a `CacheFactory` and from vLLM's config, the registry and the knob checks
-are entered through `resolve_method` only, and only once. Counted with a profiler hook on the
-code of every function that checks or builds a method, so an import under another name counts
-too."""
+from `make_cache`, from a `CacheFactory`, from a sweep grid and from vLLM's config, the registry
+and the knob checks are entered through `resolve_method` only, and only once. Counted with a
+profiler hook on the code of every function that checks or builds a method, so an import under
+another name counts too."""
 
 from __future__ import annotations
 
 import inspect
+import json
 import pickle
 import sys
 from collections import Counter
@@ -14,11 +15,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+import torch
 
 import reasonkv
-from cli_helpers import runner, tiny_llama
+from cli_helpers import CharTokenizer, runner, tiny_llama
 from reasonkv.cli import main as cli
 from reasonkv.core.models import ModelShape
+from reasonkv.harness import sweep
 from reasonkv.methods import knobs, registry, resolved
 from reasonkv.methods.api import build_policy
 from reasonkv.serving.request_limits import check_fits
@@ -173,3 +176,37 @@ def test_the_runs_of_replay_bench_and_analyze_resolve_once_each() -> None:
     assert runs[0].knobs == {"window": 4} and runs[0].resolved == reasonkv.resolve_method(
         "snapkv", 16, {"window": 4}
     )
+
+
+def tiny_sweep_loader(name: str, attn_implementation: str = "sdpa", device: str = "cpu", dtype=torch.float32):
+    """A sweep's model loader here: a tiny random Llama and a char tokenizer."""
+    return tiny_llama(attn_implementation).to(device=device, dtype=dtype), CharTokenizer()
+
+
+@pytest.mark.parametrize("kind", ["replay", "eval"])
+def test_a_sweep_resolves_each_run_once_when_its_grid_loads(tmp_path, kind: str) -> None:
+    """A grid shares its knobs out once and resolves each (method, budget) once, `full` once;
+    its units run (in this process) on those values. A budget below a method's protected window
+    is resolved once too, and fails its units alone."""
+    rows = [
+        {"id": i, "problem": f"What is {i}+{i}?", "trace": "add them up, " * 6, "answer": str(2 * i)}
+        for i in (1, 2)
+    ]
+    (tmp_path / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = {"traces": "items.jsonl"} if kind == "replay" else {"dataset": "items.jsonl"}
+    limits = {"max_tokens": 60} if kind == "replay" else {"max_new_tokens": 6}
+    data = {
+        "kind": kind,
+        "models": ["tiny"],
+        "methods": ["full", "snapkv", "h2o"],
+        "budgets": [4, 16, 24],
+        "settings": {"loader": "test_resolved_once:tiny_sweep_loader", **limits},
+        "knobs": {"window": 4, "h2o": {"recent_ratio": 0.25}},
+        "datasets": [source],
+    }
+    with entries() as seen:
+        stats = sweep.run_sweep(sweep.parse_grid(data, tmp_path), tmp_path / "out.jsonl", threads=1)
+    assert seen == Counter(share_knobs=1, resolve_method=1 + 3 + 3)
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    failed = {(r["config"]["method"], r["config"]["budget"]) for r in records if r["status"] == "error"}
+    assert failed == {("snapkv", 4)} and stats.failed == 2 and stats.ok == 2 * 6

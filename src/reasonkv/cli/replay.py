@@ -55,7 +55,6 @@ from reasonkv.harness.replay import (
     summarize,
 )
 from reasonkv.harness.traces import check_replay_input, load_traces_where, replay_input
-from reasonkv.methods.knobs import stores_quantized
 from reasonkv.util.formatting import format_or_dash
 from reasonkv.util.records import utc_timestamp, write_json_atomic
 from reasonkv.util.runtime import set_threads
@@ -147,7 +146,7 @@ def replay_command(
     except (CliError, ValueError, FileNotFoundError) as err:
         fail(str(err))
 
-    quantized = [r.label for r in runs if stores_quantized(r.method, r.knobs)]
+    quantized = [r.label for r in runs if r.resolved.stores_quantized]
     if batch and quantized and len(inputs) > 1:
         err_console.print(
             f"note: --batch with quantized storage ({', '.join(quantized)}): a batch quantizes only where "

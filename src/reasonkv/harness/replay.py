@@ -35,6 +35,7 @@ from reasonkv.harness.replay_plot import plot_fidelity  # noqa: F401 (its old ho
 from reasonkv.harness.replay_run import ReplayRun
 from reasonkv.harness.traces import ReplayInput, check_replay_input
 from reasonkv.methods.api import make_cache
+from reasonkv.methods.resolved import resolve_method
 
 BLOCK = 256
 """Reference block (and the chunk of never-compressing caches): tokens per full-cache forward."""
@@ -42,6 +43,8 @@ BIN = 128
 """Default width, in trace tokens, of the position bins of the curves."""
 COMPARE_ROWS = 64
 """Positions compared at a time (temporaries of COMPARE_ROWS × vocabulary floats)."""
+FULL_CACHE = resolve_method("full")
+"""The reference every replay compares with: the full cache, resolved once."""
 
 
 # ------------------------------------------------------------------ chunk plan
@@ -357,7 +360,7 @@ def replay_batch(
     lanes = []
     for run in runs:
         lanes.append(_Lane(run, make_cache(model, run.resolved), stepwise))
-    reference = make_cache(model, "full", None)
+    reference = make_cache(model, FULL_CACHE)
     p0 = batch.prompt_cols
     # The reference keeps 2 × [rows, block, V] floats per block: a batch takes narrower blocks.
     block = max(min(block, 32), block // rows)
@@ -512,7 +515,7 @@ def replay_trace(
 def reference_logits(model, input_ids: torch.Tensor, prompt_len: int, block: int = BLOCK) -> torch.Tensor:
     """The full-cache logits [n − 1 − prompt_len, V] at the trace positions, computed the way
     the replay computes its reference (prompt forward, then blocks). For tests and plots."""
-    cache = make_cache(model, "full", None)
+    cache = make_cache(model, FULL_CACHE)
     ids = input_ids.to(next(model.parameters()).device)
     n = int(ids.shape[1])
     out = []

@@ -21,6 +21,12 @@ class KnobError(ValueError):
     not fit together, or a bad budget."""
 
 
+class BudgetError(KnobError):
+    """A budget the setting cannot run at, its knobs being fine: none where the method
+    compresses, one out of range, or one whose post-compression size is below the protected
+    window. A sweep records it as that unit's failure and runs the setting's other budgets."""
+
+
 def check_known(names, valid, owner: str) -> None:
     """Raise KnobError naming every name not in `valid` (`owner`: "method 'x'" or "methods a, b")."""
     unknown = sorted(set(names) - set(valid))
@@ -139,8 +145,8 @@ def check_values(spec: MethodSpec, knobs: dict[str, object]) -> dict[str, object
 
 def check_knobs(spec: MethodSpec, knobs: dict[str, object]) -> dict[str, object]:
     """`check_values`, then the rules between knobs (the parts' own checks when built) and the
-    profile a profile-driven method names: the knobs of a method without its budget (a sweep's
-    grid). With a budget, `resolved.resolve_method` does all of it once."""
+    profile a profile-driven method names: the knobs of a method checked without a budget. With
+    a budget, `resolved.resolve_method` does all of it once."""
     out = check_values(spec, knobs)
     build_parts(spec, out)
     check_profile(spec, out)
@@ -185,7 +191,7 @@ def check_budget(spec: MethodSpec, budget: object) -> int | None:
     if not spec.compresses:
         return None
     if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or not 1 <= budget <= MAX_TOKENS:
-        raise KnobError(
+        raise BudgetError(
             f"budget must be a positive number of tokens per KV head (at most 10^9), got {budget!r}"
         )
     return int(budget)
@@ -198,7 +204,7 @@ def check_policy_budget(spec: MethodSpec, budget: int, policy: LayerPolicy) -> N
     try:
         kept = policy.schedule.target(budget)
     except ValueError as err:  # a schedule that cannot work with this budget says why
-        raise KnobError(f"budget {budget} does not work for {spec.name!r}: {err}") from None
+        raise BudgetError(f"budget {budget} does not work for {spec.name!r}: {err}") from None
     check_protected_window(spec, budget, kept, policy.protected)
 
 
@@ -233,7 +239,7 @@ def min_budget(schedule, protected: int) -> int:
 def check_protected_window(spec: MethodSpec, budget: int, kept: int, protected: int) -> None:
     """Refuse a budget whose post-compression size `kept` is below the protected window."""
     if kept < protected:
-        raise KnobError(
+        raise BudgetError(
             f"budget {budget} is below the protected window: method {spec.name!r} keeps at least "
             f"n_sink + n_recent = {protected} tokens per head (after compressing it keeps {kept})"
         )
@@ -257,17 +263,6 @@ def share_knobs(
             mine = {k: v for k, v in mine.items() if k in storage_knobs(spec)}
         out[name] = mine
     return out
-
-
-def knobs_for_methods(
-    methods: list[str], shared: dict[str, object], per_method: dict[str, dict] | None = None
-) -> dict[str, dict[str, object]]:
-    """`share_knobs`, each method's checked (`check_knobs`): a sweep grid's knobs, checked
-    before its budgets are known."""
-    return {
-        name: check_knobs(get_method(name), mine)
-        for name, mine in share_knobs(methods, shared, per_method).items()
-    }
 
 
 def storage_knobs(spec: MethodSpec) -> dict[str, object]:

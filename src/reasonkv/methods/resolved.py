@@ -61,6 +61,12 @@ class ResolvedMethod:
     def compresses(self) -> bool:
         return self.spec.compresses
 
+    @property
+    def stores_quantized(self) -> bool:
+        """Whether any K/V is kept below the model's precision (its storage format says)."""
+        fmt = self.policy.kv_format
+        return fmt is not None and fmt.below_model_precision
+
     def layer_budgets(
         self, n_layers: int, n_kv_heads: int, load_demand: Callable[[str | None], list[float]] | None = None
     ) -> torch.Tensor:

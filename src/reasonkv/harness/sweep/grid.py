@@ -8,6 +8,10 @@ one that none has is an error), `[knobs.NAME]` (to one method, over the shared o
 jsonl). Relative paths are relative to the grid file; examples/sweep-replay.toml is a
 commented grid.
 
+Each (method, budget) is resolved once, when the grid loads (`Grid.runs`), and its units run
+on that value. A bad knob is the grid's error; a budget below a method's protected window
+fails only that budget's units (a method that runs at none of the budgets is the grid's error).
+
 `device` and `dtype` say where and in what precision every model loads (default cpu and
 float32). They are checked, and "auto" resolved, when the grid loads, on the machine that
 loads it: a device it lacks is refused there, dry runs included. Every unit's record states
@@ -23,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from reasonkv.core.models import resolve_device, resolve_dtype
-from reasonkv.harness.record_knobs import record_knobs
-from reasonkv.methods.knobs import knobs_for_methods
-from reasonkv.methods.registry import get_method
+from reasonkv.harness.record_knobs import recorded
+from reasonkv.methods.knobs import BudgetError, share_knobs
+from reasonkv.methods.resolved import ResolvedMethod, resolve_method
 
 KINDS = ("replay", "eval")
 TOP_KEYS = {"kind", "description", "models", "methods", "budgets", "seeds", "settings", "knobs", "datasets"}
@@ -84,7 +88,13 @@ class Grid:
     seeds: list[int]
     datasets: list[DatasetSpec]
     knobs: dict[str, dict[str, Any]]
-    """Per method: the validated knobs it runs with (empty for methods that do not compress)."""
+    """Per method: the validated knobs it runs with, as its units record them (a method that
+    never compresses keeps only its storage knobs)."""
+    runs: dict[tuple[str, int | None], ResolvedMethod | BudgetError] = dataclasses.field(
+        default_factory=dict, repr=False
+    )
+    """Each (method, budget) resolved once (`full`: budget None), or why it cannot run at that
+    budget (its units fail with it; the method's other budgets run)."""
     path: Path | None = None
     description: str = ""
 
@@ -133,19 +143,42 @@ def _check_settings(where: str, values: dict, kind: str) -> None:
         )
 
 
-def _resolve_knobs(methods: list[str], raw: dict) -> dict[str, dict[str, Any]]:
-    """Shared knobs go to every method that has them (one that no method has is a typo);
-    a [knobs.METHOD] table goes to that method only, over the shared ones."""
+def _resolve_runs(
+    methods: list[str], budgets: list[int], raw: dict
+) -> dict[tuple[str, int | None], ResolvedMethod | BudgetError]:
+    """Each (method, budget) resolved once, with its knobs: shared ones go to every method that
+    has them (one that no method has is a typo), a [knobs.METHOD] table to that method only, over
+    the shared ones. A bad knob is the grid's error; a budget a method cannot run at is its
+    units' (unless the method runs at none of the grid's budgets)."""
     per_method = {k: v for k, v in raw.items() if isinstance(v, dict)}
     shared = {k: v for k, v in raw.items() if not isinstance(v, dict)}
     stray = sorted(set(per_method) - set(methods))
     if stray:
         raise GridError(f"[knobs.{stray[0]}]: {stray[0]!r} is not one of the grid's methods")
     try:
-        checked = knobs_for_methods(methods, shared, per_method)
-    except ValueError as err:  # an unknown method or knob, a bad value
+        knobs = share_knobs(methods, shared, per_method)
+    except ValueError as err:  # an unknown method or knob
         raise GridError(str(err)) from None
-    return {name: record_knobs(name, knobs) for name, knobs in checked.items()}
+    runs: dict[tuple[str, int | None], ResolvedMethod | BudgetError] = {}
+    for name in methods:
+        refused = []
+        for budget in budgets or [None]:
+            try:
+                value = recorded(resolve_method(name, budget, knobs[name]))
+            except BudgetError as err:
+                if not budgets:
+                    raise GridError(f"the grid needs `budgets`: {name!r} compresses") from None
+                runs[(name, budget)] = err
+                refused.append(err)
+                continue
+            except ValueError as err:  # a bad value, knobs that do not fit together, a bad profile
+                raise GridError(str(err)) from None
+            runs[(name, value.budget)] = value
+            if not value.compresses:  # `full` once, whatever the budgets
+                break
+        if refused and len(refused) == len(budgets):
+            raise GridError(f"{name!r} runs at none of the grid's budgets: {refused[0]}")
+    return runs
 
 
 def parse_grid(data: dict, base_dir: str | Path = ".", path: Path | None = None) -> Grid:
@@ -161,7 +194,7 @@ def parse_grid(data: dict, base_dir: str | Path = ".", path: Path | None = None)
     models = _list_of(data, "models", str)
     methods = _list_of(data, "methods", str)
     # Only compressing methods take a budget: a grid of `full` alone needs none.
-    budgets = _list_of(data, "budgets", int) if any(_compresses(m) for m in methods) else []
+    budgets = _list_of(data, "budgets", int) if "budgets" in data else []
     if any(b <= 0 for b in budgets):
         raise GridError(f"budgets must be positive numbers of tokens per KV head, got {budgets}")
     seeds = _list_of(data, "seeds", int, default=[0])
@@ -213,6 +246,7 @@ def parse_grid(data: dict, base_dir: str | Path = ".", path: Path | None = None)
     knobs = data.get("knobs", {})
     if not isinstance(knobs, dict):
         raise GridError("[knobs] must be a table")
+    runs = _resolve_runs(methods, budgets, knobs)
     return Grid(
         kind=kind,
         models=models,
@@ -220,7 +254,8 @@ def parse_grid(data: dict, base_dir: str | Path = ".", path: Path | None = None)
         budgets=budgets,
         seeds=seeds,
         datasets=datasets,
-        knobs=_resolve_knobs(methods, knobs),
+        knobs={name: dict(v.knobs) for (name, _), v in runs.items() if isinstance(v, ResolvedMethod)},
+        runs=runs,
         path=path,
         description=str(data.get("description", "")),
     )
@@ -230,13 +265,6 @@ def _placement(device: str, dtype: str) -> dict[str, str]:
     """The canonical names a unit records: "auto" resolved, "bf16" -> "bfloat16"."""
     where = resolve_device(device)
     return {"device": str(where), "dtype": str(resolve_dtype(dtype, where)).removeprefix("torch.")}
-
-
-def _compresses(method: str) -> bool:
-    try:
-        return get_method(method).compresses
-    except ValueError as err:
-        raise GridError(str(err)) from None
 
 
 def _is_known_dataset(name: str) -> bool:

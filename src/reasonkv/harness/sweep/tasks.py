@@ -18,6 +18,8 @@ import torch
 
 from reasonkv.harness.sweep.units import Task, Unit, placement
 from reasonkv.methods.api import make_cache
+from reasonkv.methods.knobs import BudgetError
+from reasonkv.methods.resolved import ResolvedMethod
 from reasonkv.util.records import utc_timestamp
 
 
@@ -70,17 +72,19 @@ def replay_task(model, tokenizer, task: Task) -> list[dict]:
         input_of[u.item["id"]] = len(inputs)
         inputs.append(inp)
     runs: dict[tuple, ReplayRun] = {}
+    refused: set[tuple] = set()
     for u in task.units:
-        run = ReplayRun(u.config["method"], u.config["budget"], dict(u.config["knobs"]))
-        if _run_id(run) in runs or u.item["id"] not in input_of:
+        if _run_id(u) in runs or _run_id(u) in refused or u.item["id"] not in input_of:
             continue
         try:  # a method that cannot run (budget below its protected window) fails alone
+            run = ReplayRun.of(_setting(u))
             make_cache(model, run.resolved)
         except Exception as err:
-            records += [error_record(v, err) for v in task.units if _run_id(_run_of(v)) == _run_id(run)]
+            refused.add(_run_id(u))
+            records += [error_record(v, err) for v in task.units if _run_id(v) == _run_id(u)]
             continue
-        runs[_run_id(run)] = run
-    pending = [u for u in task.units if u.item["id"] in input_of and _run_id(_run_of(u)) in runs]
+        runs[_run_id(u)] = run
+    pending = [u for u in task.units if u.item["id"] in input_of and _run_id(u) in runs]
     if not pending:
         return records
     torch.manual_seed(c["seed"])
@@ -99,7 +103,7 @@ def replay_task(model, tokenizer, task: Task) -> list[dict]:
     column = {rid: j for j, rid in enumerate(runs)}
     for u in pending:
         inp = inputs[input_of[u.item["id"]]]
-        r = results[input_of[u.item["id"]]][column[_run_id(_run_of(u))]]
+        r = results[input_of[u.item["id"]]][column[_run_id(u)]]
         d = r.to_dict(c["bin"])
         metrics = {k: d[k] for k in ("positions", "mean_kl", "top1", "ppl_ratio", "nll", "nll_full")}
         metrics.update(
@@ -133,14 +137,18 @@ def replay_task(model, tokenizer, task: Task) -> list[dict]:
     return records
 
 
-def _run_of(u: Unit):
-    from reasonkv.harness.replay_run import ReplayRun
+def _setting(u: Unit) -> ResolvedMethod:
+    """The unit's resolved setting; a budget its method cannot run at is raised here (anew: the
+    grid's error is shared by many units), so that the unit fails as one whose cache refuses
+    the model does."""
+    if isinstance(u.resolved, BudgetError):
+        raise BudgetError(str(u.resolved))
+    return u.resolved
 
-    return ReplayRun(u.config["method"], u.config["budget"], dict(u.config["knobs"]))
 
-
-def _run_id(run) -> tuple:
-    return (run.method, run.budget, json.dumps(run.knobs, sort_keys=True))
+def _run_id(u: Unit) -> tuple:
+    c = u.config
+    return (c["method"], c["budget"], json.dumps(c["knobs"], sort_keys=True))
 
 
 def eval_task(model, tokenizer, task: Task) -> list[dict]:
@@ -157,9 +165,7 @@ def eval_task(model, tokenizer, task: Task) -> list[dict]:
                 model,
                 tokenizer,
                 [u.item],
-                c["method"],
-                c["budget"],
-                c["knobs"],
+                _setting(u),
                 n_samples=c["samples"],
                 greedy=c["greedy"],
                 temperature=c["temperature"] if c["temperature"] is not None else 0.6,

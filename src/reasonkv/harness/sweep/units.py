@@ -22,8 +22,8 @@ import json
 from dataclasses import dataclass, field
 
 from reasonkv.harness.sweep.grid import PLACEMENT, SELECTION, DatasetSpec, Grid, GridError
-from reasonkv.methods.knobs import stores_quantized
-from reasonkv.methods.registry import get_method
+from reasonkv.methods.knobs import BudgetError
+from reasonkv.methods.resolved import ResolvedMethod
 
 
 def unit_key(config: dict) -> str:
@@ -50,7 +50,10 @@ class Unit:
     """Units with the same group run as one task (replay: one pass over the trace)."""
     item: dict = field(repr=False)
     """The trace row (problem, trace) or problem row (problem, answer): travels to the worker."""
-    source: str = ""
+    source: str
+    resolved: ResolvedMethod | BudgetError = field(repr=False, compare=False)
+    """The grid's value of the unit's (method, budget), or why it cannot run at that budget.
+    Pickled to a Ray worker as its setting, and resolved again there."""
 
 
 def _items(spec: DatasetSpec, kind: str) -> list[dict]:
@@ -71,27 +74,18 @@ def _items(spec: DatasetSpec, kind: str) -> list[dict]:
     return [{"id": str(r["id"]), "problem": r["problem"], "answer": str(r["answer"])} for r in rows]
 
 
-def _runs(grid: Grid) -> list[tuple[str, int | None]]:
-    out = []
-    for method in grid.methods:
-        if get_method(method).compresses:
-            out += [(method, b) for b in grid.budgets]
-        else:
-            out.append((method, None))
-    return out
-
-
-def _batches(setting: bool | str, method: str, knobs: dict) -> bool:
-    """Does `batch_traces` put this method's traces in one batch? "every-step": only methods
+def _batches(setting: bool | str, value: ResolvedMethod | BudgetError) -> bool:
+    """Does `batch_traces` put this setting's traces in one batch? "every-step": only methods
     whose schedule compresses every step (they replay one token per forward anyway, so a batch
     of traces costs about one trace; a chunked method's chunks would shrink to the rows'
     common compression points instead). Never with quantized storage: a batch moves tokens to
     low precision only where every row has left the full-precision residual, so its rows
-    would keep more in full precision, and hold more, than each trace alone."""
-    if stores_quantized(method, knobs):
+    would keep more in full precision, and hold more, than each trace alone. Never for a
+    budget the method cannot run at: its units fail alone."""
+    if not isinstance(value, ResolvedMethod) or value.stores_quantized:
         return False
     if setting == "every-step":
-        return get_method(method).schedule.evicts_every_step
+        return value.policy.schedule.evicts_every_step
     return bool(setting)
 
 
@@ -125,18 +119,15 @@ def expand(grid: Grid) -> list[Unit]:
                     share = grid.kind == "replay" and spec.settings["share_reference"]
                     group = unit_key(base) if share else None
                     every_item = {k: v for k, v in base.items() if k not in ("item", "input_sha")}
-                    for method, budget in _runs(grid):
-                        config = {**base, "method": method, "budget": budget, "knobs": grid.knobs[method]}
+                    for (method, budget), value in grid.runs.items():
+                        knobs = grid.knobs[method]
+                        config = {**base, "method": method, "budget": budget, "knobs": knobs}
                         key = unit_key(config)
                         unit_group = group or key
-                        if grid.kind == "replay" and _batches(
-                            spec.settings["batch_traces"], method, grid.knobs[method]
-                        ):
+                        if grid.kind == "replay" and _batches(spec.settings["batch_traces"], value):
                             # one task per method: every trace of the dataset in one batch
-                            unit_group = unit_key(
-                                {**every_item, "method": method, "knobs": grid.knobs[method]}
-                            )
-                        units.setdefault(key, Unit(key, config, unit_group, item, spec.source))
+                            unit_group = unit_key({**every_item, "method": method, "knobs": knobs})
+                        units.setdefault(key, Unit(key, config, unit_group, item, spec.source, value))
     return list(units.values())
 
 
