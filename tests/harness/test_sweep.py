@@ -400,6 +400,7 @@ def test_failing_units_are_recorded_and_the_rest_finish(tmp_path) -> None:
     small = [r for r in failed if r["config"]["model"] == "tiny"]
     assert {(r["config"]["method"], r["config"]["budget"]) for r in small} == {("snapkv", 4)}
     assert "below the protected window" in small[0]["error"] and "Traceback" in small[0]["traceback"]
+    assert "in check_protected_window" in small[0]["traceback"]  # where the grid's load refused it
     ok = [r for r in lines if r["status"] == "ok"]
     assert {(r["config"]["method"], r["config"]["budget"]) for r in ok} == {("full", None), ("snapkv", 16)}
 

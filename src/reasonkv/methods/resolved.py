@@ -1,6 +1,6 @@
 """A method as it will run: name, budget and knobs checked once and its parts built once, at
 the edge where a user names it (the CLI, `make_cache`, vLLM's config and a request's entry, a
-sweep unit). Everything below takes this value and checks or builds nothing again."""
+sweep grid). Everything below takes this value and checks or builds nothing again."""
 
 from __future__ import annotations
 

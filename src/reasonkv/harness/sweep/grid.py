@@ -90,9 +90,7 @@ class Grid:
     knobs: dict[str, dict[str, Any]]
     """Per method: the validated knobs it runs with, as its units record them (a method that
     never compresses keeps only its storage knobs)."""
-    runs: dict[tuple[str, int | None], ResolvedMethod | BudgetError] = dataclasses.field(
-        default_factory=dict, repr=False
-    )
+    runs: dict[tuple[str, int | None], ResolvedMethod | BudgetError] = dataclasses.field(repr=False)
     """Each (method, budget) resolved once (`full`: budget None), or why it cannot run at that
     budget (its units fail with it; the method's other budgets run)."""
     path: Path | None = None

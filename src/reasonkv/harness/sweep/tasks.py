@@ -142,7 +142,7 @@ def _setting(u: Unit) -> ResolvedMethod:
     grid's error is shared by many units), so that the unit fails as one whose cache refuses
     the model does."""
     if isinstance(u.resolved, BudgetError):
-        raise BudgetError(str(u.resolved))
+        raise BudgetError(str(u.resolved)) from u.resolved  # the record shows where it was refused
     return u.resolved
 
 
