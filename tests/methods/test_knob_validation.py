@@ -17,7 +17,7 @@ from reasonkv.core.policy.allocators.reasonalloc import layer_budgets
 from reasonkv.core.policy.base import pool_tokens
 from reasonkv.core.policy.knob import Bounds, knob
 from reasonkv.core.policy.schedules import MaxMinThreshold, Schedule
-from reasonkv.methods.knobs import KnobError, check_budget, check_knobs, knob_rule, min_budget
+from reasonkv.methods.knobs import BudgetError, KnobError, check_budget, check_knobs, knob_rule, min_budget
 from reasonkv.methods.registry import METHODS
 
 
@@ -176,9 +176,13 @@ def test_a_budget_below_the_protected_window_is_caught_without_the_model(method,
         reasonkv.make_cache(tiny_model("llama"), method, budget, **knobs)
 
 
-def test_a_periodic_budget_that_keeps_nothing_is_a_knob_error() -> None:
-    with pytest.raises(KnobError, match="P/c = 0"):
+def test_a_periodic_interval_that_keeps_nothing_is_a_knob_error_whatever_the_budget() -> None:
+    """interval // ratio = 0 is the knobs' fault, not the budget's: a sweep grid refuses it
+    when it loads rather than failing the method's units at every budget."""
+    with pytest.raises(KnobError, match="do not fit together: interval 3 keeps interval // ratio = 0") as err:
         reasonkv.resolve_method("rpc", 64, {"interval": 3})
+    assert not isinstance(err.value, BudgetError)
+    assert check_knobs(METHODS["rpc"], {"interval": 4}) == {"interval": 4}
 
 
 # ------------------------------------------------------- every knob is declared

@@ -280,6 +280,14 @@ class PeriodicRatio(Schedule):
     interval: int | None = tokens(None)
     ratio: float = knob(4.0, ge=1.0, le=MAX_RATIO)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.interval is not None and self.interval // self.ratio < 1:  # no budget helps
+            raise ValueError(
+                f"interval {self.interval} keeps interval // ratio = 0 tokens a period at ratio "
+                f"{self.ratio}: set interval >= ratio"
+            )
+
     def period(self, budget: int) -> tuple[int, int]:
         """(P, P/c) for a head budget."""
         if self.interval is None:
