@@ -6,8 +6,8 @@ setting is built anyway, under `unchecked_storage`, to see what it would have he
 setting make_cache accepts must peak at no more `peak_kv_bytes_16bit` than the same cache at
 16 bits, fed the same tokens; every one it refuses must quantize nothing ("quantizes
 nothing") or hold more (with a head allocator: save less than its margin, see
-`storage_pays.HEAD_SPLIT_MARGIN`). Where heads share their layer's budget, `core.quantized_peak`
-predicts both peaks byte for byte, so that is checked too.
+`storage_pays.HEAD_SPLIT_MARGIN`). Where heads share their layer's budget, `core.storage_peak`
+(one layer of each budget row, run alone) predicts both peaks byte for byte, so that is checked too.
 
 The model is the tiny llama with head_dim 64 (the default model's), so group sizes 16, 32 and
 64 all divide it. It has two layers: one layer's dequantized copy, which a quantized cache
@@ -18,6 +18,7 @@ The default run takes a spread of the settings; REASONKV_SLOW=1 runs every combi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -25,9 +26,9 @@ import pytest
 import torch
 
 from conftest import build_tiny_model, random_prompt
-from reasonkv.core import quantized_peak
 from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.storage_pays import HEAD_SPLIT_MARGIN
+from reasonkv.core.storage_peak import measure_layer, peak
 from reasonkv.methods.api import make_cache, unchecked_storage
 from reasonkv.methods.knobs import KnobError
 
@@ -96,14 +97,15 @@ def decode(cache) -> tuple[int, int]:
 
 
 def predicted(cache) -> tuple[int, int] | None:
-    """core.quantized_peak's (16-bit, quantized) peaks for this cache (None: heads of a layer
-    at different lengths, which it does not follow)."""
-    if cache.policy.head_allocator is not None:
+    """core.storage_peak's (16-bit, quantized) peaks for this cache, from one run of a layer of
+    each budget row (None: heads of a layer at different lengths, which it does not follow)."""
+    policy, head_dim = cache.policy, model().config.head_dim
+    if policy.head_allocator is not None:
         return None
-    config = model().config
-    slot = quantized_peak.SlotBytes(config.num_key_value_heads, config.head_dim, cache.policy.kv_format)
-    layers = [quantized_peak.LayerSlots.counted(cache.policy, layer.budgets) for layer in cache.layers]
-    return quantized_peak.peak_16bit(layers, slot), quantized_peak.peak_quantized(layers, slot)
+    plain = dataclasses.replace(policy, kv_format=None)
+    at_16 = [measure_layer(plain, layer.budgets, head_dim) for layer in cache.layers]
+    quantized = [measure_layer(policy, layer.budgets, head_dim) for layer in cache.layers]
+    return peak(at_16), peak(quantized)
 
 
 @functools.cache
@@ -162,11 +164,13 @@ def test_accepted_storage_never_holds_more_and_refused_storage_never_pays(method
 
 @pytest.mark.parametrize(
     "method,budget,setting,verdict",
-    [  # the arithmetic follows the sinks, the bases' read chunk and the values' own groups
+    [  # the peaks follow the sinks, the bases' read chunk and the values' own groups
         ("streaming", 64, {**SETTINGS[0], "pre_rope": True, "hadamard": True, "fp_sinks": 1}, "holds more"),
         ("beaconkv", 128, {**SETTINGS[17], "hadamard": True}, "accepted"),
         ("snapkv", 64, {**SETTINGS[0], "value_group_size": 64}, "accepted"),
         ("h2o", 128, {**SETTINGS[8], "value_group_size": 32}, "holds more"),
+        # One layer quantizes, the other never does but keeps its sinks from its first compaction.
+        ("pyramidkv", 64, {**SETTINGS[5], "fp_sinks": 4, "pre_rope": True}, "holds more"),
         # A low tier is the same at both widths: the rule holds beside it, compared with it.
         ("streaming", 64, {**SETTINGS[17], "low_budget": 16}, "holds more"),
         ("h2o", 128, {**SETTINGS[0], "low_budget": 32, "low_bits": 2}, "accepted"),

@@ -1,13 +1,17 @@
 """Whether quantized storage pays at a budget, judged before anything runs: a setting below 16
 bits that never quantizes a token, or whose decoding peak is above the same cache's at 16 bits
-(both from `quantized_peak`: the layers' slots as they run, and what `QuantizedKVStorage`
-makes of them), is refused with what to change."""
+(both metered on a run of the real layer and storage, `core/storage_peak`), is refused with
+what to change."""
 
 from __future__ import annotations
 
-from reasonkv.core import quantized_peak
-from reasonkv.core.policy.contract import BudgetPlan
-from reasonkv.core.quantize import KVFormat
+import dataclasses
+
+import torch
+
+from reasonkv.core.slot_count import per_layer
+from reasonkv.core.step import LayerPolicy
+from reasonkv.core.storage_peak import measure_layer, peak
 from reasonkv.util.formatting import format_bytes
 
 HEAD_SPLIT_MARGIN = 0.2
@@ -23,44 +27,45 @@ CHANGE = "lower group_size or residual, raise the budget, or use kv_bits=16"
 def storage_refusal(
     method: str,
     budget: int,
-    fmt: KVFormat,
-    plans: list[BudgetPlan],
-    layers: list[quantized_peak.LayerSlots | None],
-    shape: tuple[int, int],
+    policy: LayerPolicy,
+    budgets: torch.Tensor,
+    head_dim: int,
     *,
-    head_split: bool,
     residual_given: bool,
 ) -> str | None:
-    """Why `method` stored as `fmt` does not pay at `budget` (one sentence that says what to
-    change), or None: it pays, or it cannot be judged from the budget. `plans` are the layers'
-    budget plans, `layers` their slots (`LayerSlots.counted`), `shape` (KV heads, head dim);
-    `head_split`: a head allocator splits each layer's budget as the cache runs;
-    `residual_given`: the residual was set, not defaulted.
+    """Why `method` stored as `policy.kv_format` does not pay at `budget` (one sentence that
+    says what to change), or None: it pays, or it cannot be judged from the budget. `budgets`
+    [layers, KV heads] are the cache's; `residual_given`: the residual was set, not defaulted.
 
     The caller leaves out the settings where the tokens a head holds are not the budget's to
     say (a schedule that never compresses or counts from the prompt's end, a kept prompt).
-    Under a head split the shortest head, which decides what is quantized, holds no more than
-    the mean, so "never quantizes" is as sure; the peak is estimated with equal heads and must
-    save `HEAD_SPLIT_MARGIN`."""
+    Under a head allocator the shortest head, which decides what is quantized, holds no more
+    than the mean, so "never quantizes" is as sure; the peak is measured with equal heads and
+    must save `HEAD_SPLIT_MARGIN`."""
+    fmt = policy.kv_format
     if not fmt.quantized:
         return None
+    layers = per_layer(budgets, lambda row: measure_layer(policy, row, head_dim))
     if any(layer is None for layer in layers):
         return None
     r, g = fmt.residual, fmt.group_size
     residual = f"residual={r}" + ("" if residual_given else f", the default at budget {budget}")
-    if not any(quantized_peak.quantizes(layer, fmt) for layer in layers):
+    if not any(layer.quantizes for layer in layers):
         most = max(layer.most_slots for layer in layers)
         return (
             f"kv_bits={fmt.kv_bits} quantizes nothing at budget {budget}: a head of {method!r} holds "
             f"at most {most} tokens here, and a group of group_size={g} leaves the full-precision "
             f"residual ({residual}) only at {r + g}; {CHANGE}"
         )
-    uniform = all(len(set(plan.triggers)) == 1 and len(set(plan.targets)) == 1 for plan in plans)
-    if not uniform or not quantized_peak.steady(layers):
+    plans = [policy.schedule.plan([int(b) for b in row.tolist()]) for row in budgets]
+    if not all(len(set(plan.triggers)) == 1 and len(set(plan.targets)) == 1 for plan in plans):
         return None
-    slot = quantized_peak.SlotBytes(*shape, fmt)
-    at_16 = quantized_peak.peak_16bit(layers, slot)
-    quantized = quantized_peak.peak_quantized(layers, slot)
+    plain = dataclasses.replace(policy, kv_format=None)
+    layers_16 = per_layer(budgets, lambda row: measure_layer(plain, row, head_dim))
+    if not all(layer.steady for layer in layers_16):  # its storage grows a chunk at a time
+        return None
+    at_16, quantized = peak(layers_16), peak(layers)
+    head_split = policy.head_allocator is not None
     if quantized <= at_16 * (1 - HEAD_SPLIT_MARGIN if head_split else 1):
         return None
     given = [f"{k}={getattr(fmt, k)}" for k in ("value_group_size", "fp_sinks") if getattr(fmt, k)]

@@ -16,8 +16,6 @@ from reasonkv.core import attention
 from reasonkv.core.cache import CompressedCache, LayerPolicy
 from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.models import ModelShape, attention_modules, model_shape
-from reasonkv.core.quantized_peak import LayerSlots
-from reasonkv.core.slot_count import per_layer
 from reasonkv.core.storage_pays import storage_refusal
 from reasonkv.methods.knobs import KnobError
 from reasonkv.methods.profiles import find_profile, load_profile
@@ -158,19 +156,14 @@ def build_policy(
         storage.check_head_dim(shape.head_dim)
     except ValueError as err:
         raise KnobError(f"parameters of {resolved.name!r} do not fit the model: {err}") from None
-    if budget is not None and _STORAGE_CHECKED.get():
-        plans = [policy.schedule.plan([int(b) for b in layer.tolist()]) for layer in budgets]
-        heads = (shape.n_kv_heads, shape.head_dim)
-        # Where the budget does not say what a head holds (a schedule counted from the
-        # prompt's end, a kept prompt) the storage cannot be judged from it.
-        if storage.quantized and not (policy.schedule.from_prompt_end or policy.protect_prompt):
-            split, given = policy.head_allocator is not None, "residual" in knobs
-            layers = per_layer(budgets, lambda row: LayerSlots.counted(policy, row))
-            why = storage_refusal(
-                spec.name, budget, storage, plans, layers, heads, head_split=split, residual_given=given
-            )
-            if why is not None:
-                raise KnobError(why)
+    # Where the budget does not say what a head holds (a schedule counted from the prompt's
+    # end, a kept prompt) the storage cannot be judged from it.
+    judged = storage.quantized and not (policy.schedule.from_prompt_end or policy.protect_prompt)
+    if budget is not None and _STORAGE_CHECKED.get() and judged:
+        given = "residual" in knobs
+        why = storage_refusal(spec.name, budget, policy, budgets, shape.head_dim, residual_given=given)
+        if why is not None:
+            raise KnobError(why)
     if storage.pre_rope and rope_inv_freq is None:
         raise KnobError(
             f"parameters of {resolved.name!r} do not fit the model: pre_rope needs its RoPE inverse "
