@@ -7,7 +7,7 @@ It uses only `resolve_method` and `build_policy`, so it runs against another che
 that checkout's `src` first on PYTHONPATH to time it beside this one (the verdicts must be equal).
 
     python benchmarks/storage_check_speed.py --out storage-check.json
-    git archive 38bd2d9 src | tar -x -C /tmp/old
+    mkdir -p /tmp/old && git archive 38bd2d9 src | tar -x -C /tmp/old
     PYTHONPATH=/tmp/old/src python benchmarks/storage_check_speed.py --commit 38bd2d9 --out old.json
 """
 

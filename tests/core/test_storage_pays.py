@@ -103,9 +103,9 @@ def predicted(cache) -> tuple[int, int] | None:
     if policy.head_allocator is not None:
         return None
     plain = dataclasses.replace(policy, kv_format=None)
-    at_16 = [measure_layer(plain, layer.budgets, head_dim) for layer in cache.layers]
+    full = [measure_layer(plain, layer.budgets, head_dim) for layer in cache.layers]
     quantized = [measure_layer(policy, layer.budgets, head_dim) for layer in cache.layers]
-    return peak(at_16), peak(quantized)
+    return peak(full), peak(quantized)
 
 
 @functools.cache

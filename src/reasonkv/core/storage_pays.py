@@ -62,7 +62,7 @@ def storage_refusal(
         return None
     plain = dataclasses.replace(policy, kv_format=None)
     layers_16 = per_layer(budgets, lambda row: measure_layer(plain, row, head_dim))
-    if not all(layer.steady for layer in layers_16):  # its storage grows a chunk at a time
+    if not all(layer is not None and layer.steady for layer in layers_16):  # storage grows by chunks
         return None
     at_16, quantized = peak(layers_16), peak(layers)
     head_split = policy.head_allocator is not None

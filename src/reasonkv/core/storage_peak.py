@@ -39,7 +39,11 @@ import torch
 from reasonkv.core.layer import GROWTH_CHUNK, CompressedLayer
 from reasonkv.core.memory_meter import MemoryMeter
 from reasonkv.core.policy.scorers.streaming import StreamingScorer
+from reasonkv.core.quantize import KVFormat
 from reasonkv.core.step import LayerPolicy
+
+NO_LOW_TIER = KVFormat()
+LOW_TIER_KNOBS = ("low_budget", "low_bits", "low_group_size")
 
 COMPACTIONS = 2
 """Compactions a run passes: the first ends the growth, the steps up to the second (and its
@@ -72,17 +76,30 @@ def measure_layer(policy: LayerPolicy, budgets: torch.Tensor, head_dim: int) -> 
     bytes metered over a run of zero K/V of `head_dim` (see the module doc); None for a layer
     that never compacts. The policy's head allocator and low tier are left out: every head keeps
     its budget, and what eviction drops is not held here."""
-    fmt = policy.kv_format
-    if fmt is not None:
-        fmt = dataclasses.replace(fmt, low_budget=0)
+    budgets, fmt = budgets.cpu(), policy.kv_format  # the run is on the CPU, whatever the cache's device
+    if fmt is not None:  # no low tier: its knobs back to their defaults, so they do not split the key
+        fmt = dataclasses.replace(fmt, **{name: getattr(NO_LOW_TIER, name) for name in LOW_TIER_KNOBS})
     # What the run reads, as field listings (the schedule and the format are plain dataclasses).
     key = repr((policy.schedule, policy.n_sink, policy.n_recent, policy.protect_prompt, fmt))
     key += f"{budgets.tolist()} {head_dim}"
     if key not in _MEASURED:
-        policy = dataclasses.replace(policy, kv_format=fmt)
+        # The rest of the run's policy is its own: StreamingLLM's scorer, no head allocator,
+        # and for pre_rope a CPU stand-in for RoPE (zero keys turn to zero keys at any angle).
+        inv_freq = torch.ones(head_dim // 2) if fmt is not None and fmt.pre_rope else None
+        policy = dataclasses.replace(
+            policy,
+            scorer=StreamingScorer(),
+            head_allocator=None,
+            kv_format=fmt,
+            rope_inv_freq=inv_freq,
+            rope_attention_scaling=1.0,
+        )
         if bool((budgets == budgets[0]).all()):  # alike heads: one runs, every tensor is per head
             one, n = _run(policy, budgets[:1], head_dim), budgets.numel()
-            _MEASURED[key] = one and dataclasses.replace(one, held=one.held * n, excess=one.excess * n)
+            scaled = (
+                None if one is None else dataclasses.replace(one, held=one.held * n, excess=one.excess * n)
+            )
+            _MEASURED[key] = scaled
         else:
             _MEASURED[key] = _run(policy, budgets, head_dim)
     return _MEASURED[key]
@@ -92,12 +109,6 @@ def _run(policy: LayerPolicy, budgets: torch.Tensor, head_dim: int) -> LayerPeak
     plan = policy.schedule.plan([int(b) for b in budgets.tolist()])
     if plan.triggers is None:
         return None
-    fmt, inv_freq = policy.kv_format, policy.rope_inv_freq
-    if fmt is not None and fmt.pre_rope and inv_freq is None:  # zero keys turn to zero keys
-        inv_freq = torch.ones(head_dim // 2)
-    policy = dataclasses.replace(
-        policy, scorer=StreamingScorer(), head_allocator=None, kv_format=fmt, rope_inv_freq=inv_freq
-    )
     cycle = max(plan.trigger_max - min(plan.targets), plan.hole_slots + 1)
     n = plan.trigger_max + plan.hole_slots + COMPACTIONS * cycle + GROWTH_CHUNK
     meter = MemoryMeter()
@@ -116,7 +127,6 @@ def _run(policy: LayerPolicy, budgets: torch.Tensor, head_dim: int) -> LayerPeak
         kv = torch.zeros(1, heads, q, head_dim)
         positions = torch.arange(seen, seen + q)[None]
         layer.update(kv, kv)
-        layer.record_positions(positions, positions)
         layer.after_attention(torch.zeros(1, heads, q, head_dim), positions, 1.0)
         seen += q
         storage = layer.storage

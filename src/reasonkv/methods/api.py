@@ -148,7 +148,7 @@ def build_policy(
     """The budgets [layers, KV heads] and the `LayerPolicy` of a resolved method for a model of
     `shape`: what `make_cache` builds its cache from, and what a serving engine's adapter runs.
     Only what needs the model is checked here (a KnobError in one line): each layer's budget
-    against the protected window, the head dim, whether quantized storage pays, RoPE."""
+    against the protected window, the head dim, RoPE, whether quantized storage pays."""
     spec, budget, policy, knobs = resolved.spec, resolved.budget, resolved.policy, resolved.knobs
     budgets = resolved.layer_budgets(shape.n_layers, shape.n_kv_heads, load_demand)
     storage = policy.kv_format
@@ -156,6 +156,11 @@ def build_policy(
         storage.check_head_dim(shape.head_dim)
     except ValueError as err:
         raise KnobError(f"parameters of {resolved.name!r} do not fit the model: {err}") from None
+    if storage.pre_rope and rope_inv_freq is None:
+        raise KnobError(
+            f"parameters of {resolved.name!r} do not fit the model: pre_rope needs its RoPE inverse "
+            "frequencies (model.model.rotary_emb.inv_freq), and it has none"
+        )
     # Where the budget does not say what a head holds (a schedule counted from the prompt's
     # end, a kept prompt) the storage cannot be judged from it.
     judged = storage.quantized and not (policy.schedule.from_prompt_end or policy.protect_prompt)
@@ -164,11 +169,6 @@ def build_policy(
         why = storage_refusal(spec.name, budget, policy, budgets, shape.head_dim, residual_given=given)
         if why is not None:
             raise KnobError(why)
-    if storage.pre_rope and rope_inv_freq is None:
-        raise KnobError(
-            f"parameters of {resolved.name!r} do not fit the model: pre_rope needs its RoPE inverse "
-            "frequencies (model.model.rotary_emb.inv_freq), and it has none"
-        )
     return budgets, resolved.with_rope(rope_inv_freq, rope_attention_scaling)
 
 
