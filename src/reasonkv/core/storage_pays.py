@@ -50,14 +50,15 @@ def storage_refusal(
         return None
     r, g = fmt.residual, fmt.group_size
     residual = f"residual={r}" + ("" if residual_given else f", the default at budget {budget}")
+    plans = [policy.schedule.plan([int(b) for b in row.tolist()]) for row in budgets]
     if not any(layer.quantizes for layer in layers):
-        most = max(layer.most_slots for layer in layers)
+        # The most slots a head holds after a step (tokens and holes): below the trigger.
+        most = max(plan.trigger_max - 1 + plan.hole_slots for plan in plans)
         return (
             f"kv_bits={fmt.kv_bits} quantizes nothing at budget {budget}: a head of {method!r} holds "
             f"at most {most} tokens here, and a group of group_size={g} leaves the full-precision "
             f"residual ({residual}) only at {r + g}; {CHANGE}"
         )
-    plans = [policy.schedule.plan([int(b) for b in row.tolist()]) for row in budgets]
     if not all(len(set(plan.triggers)) == 1 and len(set(plan.targets)) == 1 for plan in plans):
         return None
     plain = dataclasses.replace(policy, kv_format=None)

@@ -60,8 +60,6 @@ class LayerPeak:
     """The most one step holds above what the layer held before it."""
     steady: bool
     """Whether the layer held one size between every step (its storage keeps its size)."""
-    most_slots: int
-    """The most slots a head holds after a step (tokens and holes), from the budget's plan."""
     quantizes: bool
     """Whether a token ever left the full-precision residual (always False at 16 bits)."""
 
@@ -137,8 +135,7 @@ def _run(policy: LayerPolicy, budgets: torch.Tensor, head_dim: int) -> LayerPeak
         compactions += storage.used < used + q  # tokens left the storage's slots
     if compactions < COMPACTIONS:
         return None
-    most_slots = plan.trigger_max - 1 + plan.hole_slots  # below the trigger, or it would compress
-    return LayerPeak(max(held), max(excess), min(held) == max(held), most_slots, quantizes)
+    return LayerPeak(max(held), max(excess), min(held) == max(held), quantizes)
 
 
 def peak(layers: list[LayerPeak]) -> int:
