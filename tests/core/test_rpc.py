@@ -4,6 +4,7 @@ tiny model, and the method end to end."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from method_helpers import assert_no_eviction_matches_stock, flat_llama, greedy,
 from reasonkv import make_cache
 from reasonkv.core.hf_compat import cache_arg
 from reasonkv.core.policy import EMPTY, Observation, RPCScorer, protected_mask, select_tokens
-from reasonkv.core.policy.schedules import PeriodicRatio
+from reasonkv.core.policy.contract import PolicyState
+from reasonkv.core.policy.schedules import PeriodicRatio, PeriodicState
 
 P, R, C = 16, 4, 4  # small paper hyper-parameters: every 16 tokens keep 16/4 = 4, 4 selectors
 RPC_KNOBS = dict(budget=P // C, ratio=C, window=R, n_recent=R)
@@ -197,3 +199,37 @@ def test_rpc_padded_batch_equals_rows_alone(model):
         assert torch.equal(alone[0], batch[r])
         for lb, la in zip(cache.layers, alone_cache.layers, strict=True):
             assert kept_tokens(lb, r, p) == kept_tokens(la, 0)
+
+
+def test_rows_compressed_apart_go_back_with_host_bounds_that_still_hold() -> None:
+    """A pool's rows copied out, compressed and written back (`put_rows`): their counters take
+    their places, the others' stay, and the host bounds hold for every row."""
+
+    def state(prompt, done, gen_upper, min_done):
+        return PeriodicState(8, 4, torch.tensor(prompt), torch.tensor(done), 40, gen_upper, min_done)
+
+    pool = state([10, 11, 12], [0, 1, 2], gen_upper=30, min_done=0)
+    part = state([12, 10], [3, 1], gen_upper=35, min_done=1)
+    pool.put_rows([2, 0], part)
+    assert pool.prompt.tolist() == [10, 11, 12] and pool.done.tolist() == [1, 1, 3]
+    assert (pool.gen_upper, pool.min_done, pool.rows) == (35, 0, None)
+    with pytest.raises(ValueError, match="another period"):
+        pool.put_rows([1], PeriodicState(16, 4, torch.tensor([11]), torch.tensor([1]), 40, 30, 0))
+
+
+def test_a_state_s_rows_go_back_in_place_and_its_shared_counts_must_agree() -> None:
+    """`PolicyState.put_rows`: tensor and list row fields take the copy's rows in their places;
+    a count that is one for every row must be the same in the copy."""
+
+    @dataclass
+    class Counts(PolicyState):
+        mass: torch.Tensor
+        queued: list
+        forwards: int
+        ROW_FIELDS = ("mass", "queued")
+
+    pool = Counts(torch.tensor([[1.0], [2.0], [3.0]]), [0, 0, 0], forwards=7)
+    pool.put_rows([1], Counts(torch.tensor([[9.0]]), [-2], forwards=7))
+    assert pool.mass.flatten().tolist() == [1.0, 9.0, 3.0] and pool.queued == [0, -2, 0]
+    with pytest.raises(ValueError, match="forwards = 8 cannot go back to 7"):
+        pool.put_rows([0], Counts(torch.tensor([[5.0]]), [0], forwards=8))

@@ -460,3 +460,30 @@ def test_a_scorer_that_observes_every_forward_or_a_head_split_takes_no_hit() -> 
     assert prompt_sharing(observing, 45, 8) == PromptSharing(0, 40)
     split = LayerPolicy(Scorer(), EveryStep(), protect_prompt=True, head_allocator=EntropyHeadSplit())
     assert prompt_sharing(split, 45, 8) == PromptSharing(0, 40)
+
+
+def test_rows_copied_out_go_back_only_to_their_own_places() -> None:
+    """`put_rows` writes a compacted copy of some rows back where they were: those rows change,
+    the others and the order do not, the pool narrows to its longest row, and a copy of other
+    rows is refused."""
+    storage = PagedRowsStorage(1, 4, ("mass",), torch.float32, "cpu")
+    storage.add_row("a")
+    storage.extend(6)
+    for rid, held in (("b", 4), ("c", 6)):
+        other = PagedRowsStorage(1, 4, ("mass",), torch.float32, "cpu")
+        other.add_row(rid)
+        other.extend(held)
+        storage.join_rows(other)
+    storage.token_state["mass"].copy_(torch.arange(18.0).view(3, 1, 6))
+    rows = [0, 2]
+    part = storage.rows_copy(torch.tensor(rows))
+    part.bind(
+        lambda ids, n, v: (torch.zeros(len(ids), 1, n, 4), torch.zeros(len(ids), 1, n, 4)), lambda *a: None
+    )
+    part.keep_slots(torch.tensor([[[1, 3, 4]], [[0, 2, 5]]]), torch.tensor([[3], [3]]), torch.zeros(2, 1, 6))
+    storage.put_rows(rows, part)
+    assert storage.ids == ["a", "b", "c"] and storage.lengths() == [3, 4, 3]
+    assert storage.token_index[:, 0].tolist() == [[1, 3, 4, EMPTY], [0, 1, 2, 3], [0, 2, 5, EMPTY]]
+    assert storage.token_state["mass"][:, 0].tolist() == [[1, 3, 4, 0], [6, 7, 8, 9], [12, 14, 17, 0]]
+    with pytest.raises(ValueError, match="places they were copied from"):
+        storage.put_rows([1, 2], part)

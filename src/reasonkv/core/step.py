@@ -95,6 +95,13 @@ class PolicyStates:
             if mine is not None:
                 mine.join_rows(theirs)
 
+    def put_rows(self, rows: list[int], other: PolicyStates) -> None:
+        """Take `other` (a `rows_copy` of rows `rows`, changed apart) back in their places."""
+        for name in ("scorer", "schedule", "head_allocator"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is not None:
+                mine.put_rows(rows, theirs)
+
     def rows_copy(
         self, rows: torch.Tensor, old_window: QueryWindow, window: QueryWindow, layer_states: list
     ) -> PolicyStates:
@@ -156,6 +163,7 @@ class RowsStorage(StepStorage, Protocol):
     the rows that compress, apart from the others, and puts them back."""
 
     def rows_copy(self, rows: torch.Tensor) -> RowsStorage: ...  # rows [R'] only, sharing the K/V
+    def put_rows(self, rows: list[int], other: RowsStorage) -> None: ...  # a rows_copy, back in place
     def select_rows(self, rows: torch.Tensor) -> None: ...
     def join_rows(self, other: RowsStorage) -> None: ...
 
@@ -337,28 +345,21 @@ class LayerStep:
 
     def _compress_apart(self, rows: torch.Tensor, scaling: float, keys: torch.Tensor | None) -> torch.Tensor:
         """Compress rows `rows` [R] of a storage whose rows come and go (`RowsStorage`) apart
-        from the others: they are copied out, compressed, and put back in their place. The
-        others are not scored, nor read for it (a pool of requests where a few compress a step)."""
+        from the others: they are copied out, compressed, and written back in their place (the
+        copies' policy states and slots; scoring reads the window, it does not change it). The
+        others are not scored, nor read for it, nor copied (a pool of requests where a few
+        compress a step)."""
         storage: RowsStorage = self.storage
-        picked = rows.tolist()  # the one read of the split
-        chosen_rows = [r for r, yes in enumerate(picked) if yes]
-        chosen, others = (
-            torch.tensor(r, dtype=torch.long, device=rows.device)
-            for r in (chosen_rows, [r for r, yes in enumerate(picked) if not yes])
-        )
+        chosen_rows = [r for r, yes in enumerate(rows.tolist()) if yes]  # the one read of the split
+        chosen = torch.tensor(chosen_rows, dtype=torch.long, device=rows.device)
         self.settle(chosen_rows)  # these rows only: the others keep what they hold back
         part = storage.rows_copy(chosen)
         step = self.rows_copy(chosen, part)
         if keys is not None:  # read for on_step: these rows', as wide as their longest
             keys = keys[chosen, :, : part.token_index.shape[-1]]
         step._compress(torch.ones_like(chosen, dtype=torch.bool), scaling, keys)
-        self.select_rows(others)
-        storage.select_rows(others)
-        self._take_rows(step)  # back as they left: same window, nothing to settle
-        storage.join_rows(part)
-        order = torch.cat([others, chosen]).argsort()
-        self.select_rows(order)
-        storage.select_rows(order)
+        self.states.put_rows(chosen_rows, step.states)
+        storage.put_rows(chosen_rows, part)
         return rows
 
     def _new_observer_states(self, query: torch.Tensor) -> None:

@@ -11,8 +11,8 @@ frees the blocks past each new length.
 
 Rows come and go (`RowsStorage`): a request's prompt runs in a storage of its own, which then
 joins its layer's pool of requests (`join_rows`); a finished request leaves (`select_rows`);
-the rows that compress in a step are copied out, compressed and put back (`rows_copy`), so the
-others are neither read nor scored.
+the rows that compress in a step are copied out, compressed and written back in place
+(`rows_copy`, `put_rows`), so the others are neither read, scored nor copied.
 
 One block table is shared by all layers and heads of a request, so every head of a row keeps
 the same number of tokens: only methods with one budget for every layer and head run here (the
@@ -198,6 +198,27 @@ class PagedRowsStorage:
             n: None if t is None else t.index_select(0, rows)[:, :, :width] for n, t in self._kv.items()
         }
         return out
+
+    def put_rows(self, rows: list[int], other: PagedRowsStorage) -> None:
+        """Take `other`, a `rows_copy` of rows `rows` that compacted apart, back in their places."""
+        if other.ids != [self.ids[r] for r in rows]:
+            raise ValueError("rows return only to the places they were copied from")
+        self._join()
+        other._join()
+        for r, width, nxt in zip(rows, other._width, other._next, strict=True):
+            self._width[r], self._next[r] = width, nxt
+        # A compaction only shrinks rows: the copy fits the pool's width, which may shrink too.
+        full, width = self._token_index.shape[-1], max(self._width)
+        at = torch.tensor(rows, device=self.device)
+        self._token_index = self._token_index.index_copy(
+            0, at, padded(other._token_index, full, EMPTY)
+        )[..., :width]
+        self._token_state = {
+            n: t.index_copy(0, at, padded(other._token_state[n], full, 0))[..., :width]
+            for n, t in self._token_state.items()
+        }
+        self._kv = {}
+        self.compacted |= other.compacted
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep rows `rows` [R'] (in that order): a request that leaves, or a new order."""

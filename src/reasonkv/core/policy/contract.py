@@ -47,6 +47,27 @@ class PolicyState:
             if value is old_window:
                 setattr(self, name, window)
 
+    def put_rows(self, rows: list[int], other: PolicyState) -> None:
+        """Write `other` back as rows `rows` of this state: `other` is a copy of those rows
+        (`select_rows`), changed apart (a pool's rows that compress in a step). The row fields
+        take its rows in place of theirs; every other field must agree, as in `join_rows` (a
+        subclass whose counters can be reconciled says how)."""
+        at = None
+        for name, mine in vars(self).items():
+            theirs = getattr(other, name)
+            if name in self.ROW_FIELDS:
+                if isinstance(mine, torch.Tensor):
+                    at = torch.tensor(rows, device=mine.device) if at is None else at
+                    setattr(self, name, mine.index_copy(0, at, theirs.to(mine.device)))
+                elif isinstance(mine, list):
+                    mine = list(mine)  # a new list: a copy of these rows may share the old one
+                    for r, value in zip(rows, theirs, strict=True):
+                        mine[r] = value
+                    setattr(self, name, mine)
+            elif isinstance(mine, (int, float, str)) and mine != theirs:
+                kind = type(self).__name__
+                raise ValueError(f"{kind}: rows with {name} = {theirs} cannot go back to {mine}")
+
     def join_rows(self, other: PolicyState) -> None:
         """Append `other`'s rows after this state's (a serving engine's pool of requests: a
         request joins the pool when its prompt is complete). The row fields are concatenated;
