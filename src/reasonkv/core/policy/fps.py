@@ -87,7 +87,7 @@ def add_points(
         chunk, ok = points[:, start : start + step].float(), valid[:, start : start + step]
         u = _units(chunk)
         stored = chunk.to(buf.dtype)  # as held: what later points are compared with
-        new = _new_points(u, ok, _units(buf[:, :m_max].float()), slots < count[:, None])
+        new = _new_points(u, ok, buf[:, :m_max].float(), slots < count[:, None])
         before = new.cumsum(-1) - new.long()  # points added ahead of each
         later = before >= (m_max - count)[:, None]  # after this buffer's fill: the second round
         new = new & ~later
@@ -105,7 +105,7 @@ def add_points(
         # The rest of their chunk, against what they kept (a point that matched a dropped
         # beacon or an earlier point of the chunk is new again).
         ok = ok.index_select(0, which) & later.index_select(0, which)
-        new = _new_points(u.index_select(0, which), ok, _units(kept.float()), None)
+        new = _new_points(u.index_select(0, which), ok, kept.float(), None)
         _append(buf, stored.index_select(0, which), new, count.index_select(0, which), which)
         count = count.index_add(0, which, new.sum(-1))
     held = buf[:, :m_max].reshape(b, h, m_max, d).clone(memory_format=torch.contiguous_format)
@@ -116,9 +116,12 @@ def _new_points(
     u: torch.Tensor, ok: torch.Tensor, held: torch.Tensor, in_use: torch.Tensor | None
 ) -> torch.Tensor:
     """[N, k] which of the points (unit vectors u [N, k, D], `ok` [N, k]) are new: valid, and
-    identical in direction to no held point (unit vectors `held` [N, M, D], where `in_use`
-    [N, M]; None: all) and no earlier valid point of theirs."""
-    dup = u @ held.transpose(-1, -2) >= 1.0 - DUPLICATE_EPS  # [N, k, M]
+    identical in direction to no held point (`held` [N, M, D], where `in_use` [N, M]; None:
+    all) and no earlier valid point of theirs."""
+    # u·h >= (1 - eps)·|h| is u·(h/|h|) >= 1 - eps without dividing every held vector by its
+    # norm at every feed (the buffers are most of a feed's bytes); a zero vector is never matched.
+    reach = (1.0 - DUPLICATE_EPS) * held.norm(dim=-1).clamp(min=1e-12)  # [N, M]
+    dup = u @ held.transpose(-1, -2) >= reach[:, None, :]  # [N, k, M]
     dup_held = (dup if in_use is None else dup & in_use[:, None, :]).any(-1)
     k = u.shape[1]
     same = u @ u.transpose(-1, -2) >= 1.0 - DUPLICATE_EPS
