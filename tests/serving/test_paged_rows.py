@@ -347,10 +347,12 @@ def test_waiting_decode_queries_join_the_window_as_step_by_step_keeps_would() ->
     assert torch.equal(request.storage.token_index[0], torch.arange(step.seen).expand(2, -1))
 
 
-PAGED_PER_COMPRESSION = {"beaconkv": 5, "initial-recent": 4, "rpc": 6}
+PAGED_PER_COMPRESSION = {"beaconkv": 6, "initial-recent": 4, "rpc": 6}
 """The most host syncs of one (request, layer) step that compresses, as measured; 3 for the
 others: the schedule's decision, `select_tokens`' widest keep, and `keep_slots`' one read of
-its counts (the heads' least and most kept, and the slots that keep their token)."""
+its counts (the heads' least and most kept, and the slots that keep their token). BeaconKV's
+decode queries wait, so a compressing step first joins them: counting them may feed the
+backlog (one sync), and scoring then feeds the rest ahead (one more)."""
 PAGED_FEEDS = {"beaconkv": 1, "initial-recent": 2}
 """BeaconKV's backlog feed (core/test_host_syncs.py): at most one sync (two for initial-recent's
 fixed set) on a step that does not compress, once every `upkeep_every` steps."""

@@ -8,9 +8,13 @@ and decoded, in the model's dtype, when read.
 An engine that runs a layer's step once per request may let decode queries wait (`wait`): they
 join the window in one step when enough wait or when anything reads it, which keeps exactly what
 one `keep` a step would (the last `size` of the window and the queries, at once or one by one).
+A scorer that observes every forward but only counts its queries (BeaconKV) sees them there, as
+one forward (`on_join`, called before they are kept).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -31,6 +35,9 @@ class QueryWindow:
         self._waiting: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (query, positions)
         self._waiting_from = 0  # sequence index of the first waiting query
         self._waiting_size = 0  # the `size` they join with
+        self.on_join: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+        """Called with the waiting queries, their indices and positions as they join, before
+        they are kept (the window then still holds what it held before them)."""
 
     @property
     def query_index(self) -> torch.Tensor | None:
@@ -64,7 +71,16 @@ class QueryWindow:
     def size(self) -> int:
         """Queries kept (no decoding)."""
         self._join()
+        return self.joined_size
+
+    @property
+    def joined_size(self) -> int:
+        """Queries kept, not counting those still waiting (nothing joins)."""
         return 0 if self._held is None else self._held.shape[2]
+
+    def join(self) -> None:
+        """Join the waiting queries now."""
+        self._join()
 
     def label(
         self,
@@ -145,11 +161,17 @@ class QueryWindow:
         if waiting[0][1] is not None:
             positions = torch.cat([w[1] for w in waiting], dim=-1) if len(waiting) > 1 else waiting[0][1]
         index, positions = self.label(query, self._waiting_from, None, positions)
+        if self.on_join is not None:
+            self.on_join(query, index, positions)
         self.keep(query, index, positions, self._waiting_size)
 
-    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Kept queries [start, end) with their indices and positions (only those decoded)."""
-        self._join()
+    def span(
+        self, start: int, end: int, *, join: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Kept queries [start, end) with their indices and positions (only those decoded); with
+        `join` False, of the joined queries, leaving any waiting ones waiting."""
+        if join:
+            self._join()
         if self._scale is None:
             queries = self._held[:, :, start:end]
         else:

@@ -225,8 +225,29 @@ class LayerStep:
         self.allocator_observes = (
             allocator is not None and type(allocator).on_step is not HeadAllocator.on_step
         )
-        self.query_wait = 0 if self.observes_steps or self.allocator_observes else query_wait
+        # A scorer that observes every forward may still let decode queries wait when it only
+        # counts them (`steps_may_wait`): it then sees them as they join the window.
+        waits = not (self.observes_steps and not scorer.steps_may_wait) and not self.allocator_observes
+        self.query_wait = query_wait if waits else 0
+        self.scaling = 1.0  # the attention's, for an observation made when waiting queries join
+        self._observe_joins()
         scorer_states[layer_idx] = None
+
+    def _observe_joins(self) -> None:
+        """Where decode queries wait and the scorer observes forwards, it sees them as they join
+        the window, before they are kept (the window calls back; weakly: it must not keep the step)."""
+        if not (self.query_wait and self.observes_steps):
+            return
+        me = weakref.ref(self)
+
+        def observe(query: torch.Tensor, index: torch.Tensor, positions: torch.Tensor) -> None:
+            step = me()
+            if step is not None:
+                obs = step.observation(query.detach(), index, positions, step.scaling, tokens=False)
+                with step.timer.section("on_step"):
+                    step.policy.scorer.on_step(obs, None)
+
+        self.window.on_join = observe
 
     @property
     def past_prompt(self) -> bool:
@@ -291,6 +312,7 @@ class LayerStep:
         False: padding). Returns the rows that compressed, or None."""
         policy, storage = self.policy, self.storage
         first = self.new_start if self.first_index is None else self.first_index
+        self.scaling = scaling
         if not self._observers_ready:
             self._new_observer_states(query)
         keys = None
@@ -350,6 +372,7 @@ class LayerStep:
         others are not scored, nor read for it, nor copied (a pool of requests where a few
         compress a step)."""
         storage: RowsStorage = self.storage
+        self.window.join()  # every row's waiting queries, observed: then these rows' queues settle
         chosen_rows = [r for r, yes in enumerate(rows.tolist()) if yes]  # the one read of the split
         chosen = torch.tensor(chosen_rows, dtype=torch.long, device=rows.device)
         self.settle(chosen_rows)  # these rows only: the others keep what they hold back
@@ -434,6 +457,7 @@ class LayerStep:
         """Take in what the scorer's state holds back (`Scorer.settle`): before rows join, or
         (`rows` only) before they are scored apart."""
         policy = self.policy
+        self.window.join()  # waiting queries first: what the scorer observes of them is held back too
         policy.scorer.settle(self.states.scorer, policy.rope_inv_freq, policy.rope_attention_scaling, rows)
 
     def rows_copy(
@@ -445,6 +469,7 @@ class LayerStep:
         out = copy.copy(self)
         out._storage = weakref.ref(storage)
         out.window = self.window.rows_copy(rows)
+        out._observe_joins()
         out.scorer_states = self.scorer_states if scorer_states is None else scorer_states
         out.states = self.states.rows_copy(rows, self.window, out.window, out.scorer_states)
         if scorer_states is not None:

@@ -210,9 +210,8 @@ class PagedRowsStorage:
         # A compaction only shrinks rows: the copy fits the pool's width, which may shrink too.
         full, width = self._token_index.shape[-1], max(self._width)
         at = torch.tensor(rows, device=self.device)
-        self._token_index = self._token_index.index_copy(
-            0, at, padded(other._token_index, full, EMPTY)
-        )[..., :width]
+        index = self._token_index.index_copy(0, at, padded(other._token_index, full, EMPTY))
+        self._token_index = index[..., :width]
         self._token_state = {
             n: t.index_copy(0, at, padded(other._token_state[n], full, 0))[..., :width]
             for n, t in self._token_state.items()

@@ -115,9 +115,13 @@ class QueryWindowView(Protocol):
     prompt_end: torch.Tensor | None  # [B] sequence index where generation starts
 
     @property
-    def size(self) -> int: ...  # queries kept
+    def size(self) -> int: ...  # queries kept (decode queries waiting to join, joined first)
+    @property
+    def joined_size(self) -> int: ...  # queries kept, leaving any waiting ones waiting
 
-    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def span(
+        self, start: int, end: int, *, join: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # join=False: of the joined ones
 
 
 class LayerView(Protocol):
@@ -172,6 +176,12 @@ class Scorer(Declared):
     """How the cache holds the queries it keeps for this scorer: in the model's dtype (16), or as
     8-bit codes with a scale a query (8), decoded when read."""
     state_names: ClassVar[tuple[str, ...]] = ()
+    steps_may_wait: ClassVar[bool] = False
+    """Whether `on_step` may see several decode forwards at once, as one forward of all their
+    queries, when those join the window: an engine that lets decode queries wait
+    (`LayerStep(query_wait=...)`) then runs it at the join instead of at every step. True for a
+    scorer whose `on_step` reads no stored token and only counts or queues the queries, and
+    which reads other layers' windows only as joined (`joined_size`, `span(join=False)`)."""
     step_reads_keys: ClassVar[bool] = True
     """Whether `on_step` reads the stored tokens: `keys`, and the observation's `token_index` and
     `state`. An engine whose K/V are not at hand (vLLM's paged cache) reads them for `on_step`

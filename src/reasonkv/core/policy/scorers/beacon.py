@@ -143,6 +143,7 @@ class BeaconKVScorer(Scorer):
     pooling: Literal["max", "avg", "none"] = "none"
     kernel: int = knob(7, ge=1, le=MAX_KERNEL)
     step_reads_keys: ClassVar[bool] = False  # on_step only counts and feeds queries
+    steps_may_wait: ClassVar[bool] = True  # ... so it may count a run of waiting ones at once
     upkeep_every: int = tokens(8)
     """Queries leaving the recent window wait in a queue and enter the buffers this many at a
     time (all layers in one pass), or when scoring needs the buffers. Continual FPS fed in
@@ -241,7 +242,7 @@ class BeaconKVScorer(Scorer):
             raise RuntimeError("BeaconKV: the batch changed size mid-generation; start a new cache")
         st.forwards, st.step_size = st.forwards + 1, q
         win = st.window
-        held = win.size
+        held = win.joined_size  # what this forward's queries join (they wait no longer)
         n_out = self._leaving(held, q)
         if n_out == 0:
             return
@@ -293,9 +294,11 @@ class BeaconKVScorer(Scorer):
         fed, queues = [], []
         at = None if rows is None else torch.tensor(rows, device=state.count.device)  # one copy a feed
         for st in state.group:
-            if not isinstance(st, BeaconState) or st.window.size == 0:  # no forward kept yet
+            # Of each window what has joined: a layer's queue counts only those (queries that
+            # wait are counted by its `on_step` when they join).
+            if not isinstance(st, BeaconState) or st.window.joined_size == 0:  # no forward kept yet
                 continue
-            win, held = st.window, st.window.size
+            win, held = st.window, st.window.joined_size
             first_recent = held - min(held, self.recent)
             n_ahead = 0
             if ahead and st.forwards < forward:
@@ -317,7 +320,7 @@ class BeaconKVScorer(Scorer):
                 for r, p in zip(rows, done, strict=True):
                     st.pending[r] = p
             fed.append(st)
-            span = win.span(start, end)  # decodes only the queued queries of 8-bit windows
+            span = win.span(start, end, join=False)  # decodes only the queued queries of 8-bit windows
             if at is not None:
                 span = tuple(t.index_select(0, at.to(t.device)) for t in span)
             queues.append((*span, [most - p for p in pending]))
