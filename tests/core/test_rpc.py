@@ -203,18 +203,20 @@ def test_rpc_padded_batch_equals_rows_alone(model):
 
 def test_rows_compressed_apart_go_back_with_host_bounds_that_still_hold() -> None:
     """A pool's rows copied out, compressed and written back (`put_rows`): their counters take
-    their places, the others' stay, and the host bounds hold for every row."""
+    their places, the others' stay, the largest generated count stays a bound and the fewest
+    compressions is read again."""
 
     def state(prompt, done, gen_upper, min_done):
         return PeriodicState(8, 4, torch.tensor(prompt), torch.tensor(done), 40, gen_upper, min_done)
 
     pool = state([10, 11, 12], [0, 1, 2], gen_upper=30, min_done=0)
     part = state([12, 10], [3, 1], gen_upper=35, min_done=1)
-    pool.put_rows([2, 0], part)
+    pool.put_rows([2, 0], part, torch.tensor([2, 0]))
     assert pool.prompt.tolist() == [10, 11, 12] and pool.done.tolist() == [1, 1, 3]
-    assert (pool.gen_upper, pool.min_done, pool.rows) == (35, 0, None)
+    assert (pool.gen_upper, pool.min_done, pool.rows) == (35, 1, None)  # every row compressed now
     with pytest.raises(ValueError, match="another period"):
-        pool.put_rows([1], PeriodicState(16, 4, torch.tensor([11]), torch.tensor([1]), 40, 30, 0))
+        other = PeriodicState(16, 4, torch.tensor([11]), torch.tensor([1]), 40, 30, 0)
+        pool.put_rows([1], other, torch.tensor([1]))
 
 
 def test_a_state_s_rows_go_back_in_place_and_its_shared_counts_must_agree() -> None:
@@ -229,7 +231,7 @@ def test_a_state_s_rows_go_back_in_place_and_its_shared_counts_must_agree() -> N
         ROW_FIELDS = ("mass", "queued")
 
     pool = Counts(torch.tensor([[1.0], [2.0], [3.0]]), [0, 0, 0], forwards=7)
-    pool.put_rows([1], Counts(torch.tensor([[9.0]]), [-2], forwards=7))
+    pool.put_rows([1], Counts(torch.tensor([[9.0]]), [-2], forwards=7), torch.tensor([1]))
     assert pool.mass.flatten().tolist() == [1.0, 9.0, 3.0] and pool.queued == [0, -2, 0]
     with pytest.raises(ValueError, match="forwards = 8 cannot go back to 7"):
-        pool.put_rows([0], Counts(torch.tensor([[5.0]]), [0], forwards=8))
+        pool.put_rows([0], Counts(torch.tensor([[5.0]]), [0], forwards=8), torch.tensor([0]))

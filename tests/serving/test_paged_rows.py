@@ -483,9 +483,37 @@ def test_rows_copied_out_go_back_only_to_their_own_places() -> None:
         lambda ids, n, v: (torch.zeros(len(ids), 1, n, 4), torch.zeros(len(ids), 1, n, 4)), lambda *a: None
     )
     part.keep_slots(torch.tensor([[[1, 3, 4]], [[0, 2, 5]]]), torch.tensor([[3], [3]]), torch.zeros(2, 1, 6))
-    storage.put_rows(rows, part)
+    storage.put_rows(rows, part, torch.tensor(rows))
     assert storage.ids == ["a", "b", "c"] and storage.lengths() == [3, 4, 3]
     assert storage.token_index[:, 0].tolist() == [[1, 3, 4, EMPTY], [0, 1, 2, 3], [0, 2, 5, EMPTY]]
     assert storage.token_state["mass"][:, 0].tolist() == [[1, 3, 4, 0], [6, 7, 8, 9], [12, 14, 17, 0]]
     with pytest.raises(ValueError, match="places they were copied from"):
-        storage.put_rows([1, 2], part)
+        storage.put_rows([1, 2], part, torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize(
+    ("method", "budget", "knobs"), [("beaconkv", 32, {}), ("beaconkv", 32, {"upkeep_every": 3})]
+)
+def test_layers_run_in_engine_order_feed_the_beacons_the_hf_cache_feeds(
+    monkeypatch, method, budget, knobs
+) -> None:
+    """As vLLM runs them: every layer of a step, then the next step, all layers' states in one
+    group, decode queries waiting. A layer's feed reads the other layers' windows as joined
+    while their queries wait, so each layer keeps what its HF cache keeps at every step, and
+    at the end holds the same beacons, counts and queue."""
+    model = tiny_model("llama")
+    cache, forwards = record(monkeypatch, model, method, budget, knobs, steps=120)
+    layers = sorted(forwards)
+    states = [None] * len(layers)
+    requests = {layer: Request(layer, cache, states, prompt_end=20) for layer in layers}
+    compressions = 0
+    for t in range(len(forwards[layers[0]])):
+        for layer in layers:
+            new_k, new_v, query, positions, held, scaling = forwards[layer][t]
+            compressions += requests[layer].feed(new_k, new_v, query, positions, scaling)
+            assert requests[layer].held() == held, f"layer {layer}, forward {t}"
+    assert compressions > len(layers), "several compressions a layer, or the test proves little"
+    for layer in layers:
+        hf, paged = cache.layers[layer].step.states.scorer, states[layer]
+        paged.window.join()  # what still waits is counted when it joins
+        assert torch.equal(hf.count, paged.count) and torch.equal(hf.points(), paged.points())

@@ -3,7 +3,8 @@
 `LayerStep` runs the policy hooks of one layer after its attention, in one order, over rows
 `[R, H, T]` (transformers: the batch rows; vLLM: the requests of one pool, at different
 positions): label this forward's queries → the scorer's and head allocator's `on_step` → the
-query window keeps its newest queries → `rows_to_compress` → `score` → the schedule's `keep`
+query window keeps its newest queries (where decode queries wait, those three run when they
+join the window) → `rows_to_compress` → `score` → the schedule's `keep`
 (split between heads by a head allocator) → protection and the one token selection
 (`select_tokens`, or `evict_one` where a storage can drop one slot per head in place). It is
 also the `LayerView` the policies read.
@@ -95,12 +96,12 @@ class PolicyStates:
             if mine is not None:
                 mine.join_rows(theirs)
 
-    def put_rows(self, rows: list[int], other: PolicyStates) -> None:
-        """Take `other` (a `rows_copy` of rows `rows`, changed apart) back in their places."""
+    def put_rows(self, rows: list[int], other: PolicyStates, at: torch.Tensor) -> None:
+        """Take `other` (a `rows_copy` of rows `rows`, `at` on the device) back in their places."""
         for name in ("scorer", "schedule", "head_allocator"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine is not None:
-                mine.put_rows(rows, theirs)
+                mine.put_rows(rows, theirs, at)
 
     def rows_copy(
         self, rows: torch.Tensor, old_window: QueryWindow, window: QueryWindow, layer_states: list
@@ -163,7 +164,7 @@ class RowsStorage(StepStorage, Protocol):
     the rows that compress, apart from the others, and puts them back."""
 
     def rows_copy(self, rows: torch.Tensor) -> RowsStorage: ...  # rows [R'] only, sharing the K/V
-    def put_rows(self, rows: list[int], other: RowsStorage) -> None: ...  # a rows_copy, back in place
+    def put_rows(self, rows: list[int], other: RowsStorage, at: torch.Tensor) -> None: ...  # a rows_copy
     def select_rows(self, rows: torch.Tensor) -> None: ...
     def join_rows(self, other: RowsStorage) -> None: ...
 
@@ -183,10 +184,12 @@ class LayerStep:
     `after_attention` then runs the hooks and returns the rows that compressed ([R] bool) or
     None. The storage is held weakly: it owns the step, and a dropped cache frees at once.
 
-    `query_wait` > 0 lets a scorer that does not observe every step leave decode queries aside
-    (at most that many) until the window is read: the window then changes once per that many
-    steps, as an engine that runs this step per request wants (a decode step that does not
-    compress then touches no tensor of the layer)."""
+    `query_wait` > 0 lets decode queries wait aside (at most that many) until the window is
+    read: the window then changes once per that many steps, as an engine that runs this step
+    per request wants (a decode step that does not compress then touches no tensor of the
+    layer). A scorer that observes every step waits so only where its `on_step` only counts
+    queries (`steps_may_wait`, BeaconKV): it then observes the waiting ones as one forward when
+    they join the window."""
 
     def __init__(
         self,
@@ -381,8 +384,8 @@ class LayerStep:
         if keys is not None:  # read for on_step: these rows', as wide as their longest
             keys = keys[chosen, :, : part.token_index.shape[-1]]
         step._compress(torch.ones_like(chosen, dtype=torch.bool), scaling, keys)
-        self.states.put_rows(chosen_rows, step.states)
-        storage.put_rows(chosen_rows, part)
+        self.states.put_rows(chosen_rows, step.states, chosen)
+        storage.put_rows(chosen_rows, part, chosen)
         return rows
 
     def _new_observer_states(self, query: torch.Tensor) -> None:

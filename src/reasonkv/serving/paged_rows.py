@@ -199,8 +199,9 @@ class PagedRowsStorage:
         }
         return out
 
-    def put_rows(self, rows: list[int], other: PagedRowsStorage) -> None:
-        """Take `other`, a `rows_copy` of rows `rows` that compacted apart, back in their places."""
+    def put_rows(self, rows: list[int], other: PagedRowsStorage, at: torch.Tensor) -> None:
+        """Take `other`, a `rows_copy` of rows `rows` (`at` on the device) that compacted apart,
+        back in their places."""
         if other.ids != [self.ids[r] for r in rows]:
             raise ValueError("rows return only to the places they were copied from")
         self._join()
@@ -209,7 +210,6 @@ class PagedRowsStorage:
             self._width[r], self._next[r] = width, nxt
         # A compaction only shrinks rows: the copy fits the pool's width, which may shrink too.
         full, width = self._token_index.shape[-1], max(self._width)
-        at = torch.tensor(rows, device=self.device)
         index = self._token_index.index_copy(0, at, padded(other._token_index, full, EMPTY))
         self._token_index = index[..., :width]
         self._token_state = {

@@ -47,18 +47,17 @@ class PolicyState:
             if value is old_window:
                 setattr(self, name, window)
 
-    def put_rows(self, rows: list[int], other: PolicyState) -> None:
-        """Write `other` back as rows `rows` of this state: `other` is a copy of those rows
-        (`select_rows`), changed apart (a pool's rows that compress in a step). The row fields
-        take its rows in place of theirs; every other field must agree, as in `join_rows` (a
-        subclass whose counters can be reconciled says how)."""
-        at = None
+    def put_rows(self, rows: list[int], other: PolicyState, at: torch.Tensor) -> None:
+        """Write `other` back as rows `rows` of this state (`at`: the same rows as a tensor on
+        the state's device): `other` is a copy of those rows (`select_rows`), changed apart (a
+        pool's rows that compress in a step). The row fields take its rows in place of theirs,
+        in place; a number or string must agree, as in `join_rows` (a subclass whose counters
+        can be reconciled says how)."""
         for name, mine in vars(self).items():
             theirs = getattr(other, name)
             if name in self.ROW_FIELDS:
                 if isinstance(mine, torch.Tensor):
-                    at = torch.tensor(rows, device=mine.device) if at is None else at
-                    setattr(self, name, mine.index_copy(0, at, theirs.to(mine.device)))
+                    mine.index_copy_(0, at, theirs.to(mine.device))
                 elif isinstance(mine, list):
                     mine = list(mine)  # a new list: a copy of these rows may share the old one
                     for r, value in zip(rows, theirs, strict=True):

@@ -255,16 +255,17 @@ class PeriodicState(PolicyState):
         # gen_upper, a max over rows, stays an upper bound
         self.min_done = int(self.done.min()) if self.done.numel() else 0
 
-    def put_rows(self, rows: list[int], other: PeriodicState) -> None:
-        """The host bounds hold for both, as when rows join."""
+    def put_rows(self, rows: list[int], other: PeriodicState, at: torch.Tensor) -> None:
+        """The largest generated count stays an upper bound; the fewest compressions is read
+        again (one sync), as when rows are selected: the rows written back have compressed, so
+        a bound kept from before would only let more steps pass the cheap check."""
         if (self.period, self.per_period) != (other.period, other.per_period):
             raise ValueError("periodic schedule: rows of another period cannot return")
-        at = torch.tensor(rows, device=self.done.device)
-        self.prompt = self.prompt.index_copy(0, at, other.prompt)
-        self.done = self.done.index_copy(0, at, other.done)
+        self.prompt.index_copy_(0, at, other.prompt)
+        self.done.index_copy_(0, at, other.done)
         self.rows = None  # set again at the next check
         self.gen_upper = max(self.gen_upper, other.gen_upper)
-        self.min_done = min(self.min_done, other.min_done)
+        self.min_done = int(self.done.min())
 
     def join_rows(self, other: PeriodicState) -> None:
         """The host bounds hold for both: the largest generated count, the fewest compressions."""

@@ -109,8 +109,17 @@ class RequestPool:
     def past_prompt(self) -> bool:
         return bool(self.steps) and all(step.past_prompt for step in self.steps.values())
 
+    def _join_waiting(self) -> None:
+        """Every layer's waiting decode queries join its window (observed: BeaconKV counts them)
+        before any layer's rows change: a feed reads every layer of the pool, which must then
+        hold the same rows and counts, and one feed then serves them all."""
+        for step in self.steps.values():
+            step.window.join()
+
     def join(self, other: RequestPool) -> None:
         """Append `other`'s rows (requests past their prompts) to this pool's, layer by layer."""
+        self._join_waiting()
+        other._join_waiting()
         for step in (*self.steps.values(), *other.steps.values()):
             step.settle()  # every layer's first: BeaconKV feeds all layers of a pool at once
         for layer_idx, step in self.steps.items():
@@ -124,6 +133,7 @@ class RequestPool:
             self.ids = [self.ids[r] for r in rows]
             return
         index = torch.tensor(rows, dtype=torch.long)
+        self._join_waiting()
         for layer_idx, step in self.steps.items():
             step.select_rows(index.to(step.budgets.device))
             self.storages[layer_idx].select_rows(index.to(step.budgets.device))
@@ -134,6 +144,7 @@ class RequestPool:
         take no token this step while the others do)."""
         out = RequestPool(self.policy, self.budgets, len(self.scorer_states))
         out.ids = [self.ids[r] for r in rows]
+        self._join_waiting()
         for layer_idx, step in self.steps.items():
             index = torch.tensor(rows, dtype=torch.long, device=step.budgets.device)
             storage = out.storages[layer_idx] = self.storages[layer_idx].rows_copy(index)

@@ -341,6 +341,8 @@ class BeaconKVScorer(Scorer):
         are those rows' ([R'] indices) and so are the buffers fed."""
         if inv_freq is None:
             raise ValueError("BeaconKV needs the model's RoPE inverse frequencies (rope_inv_freq)")
+        if len({m.count.shape[0] for m in members}) > 1:  # the stacked buffers are split by rows
+            raise RuntimeError("BeaconKV: the layers fed in one pass hold different rows")
         queues = [_skipping(*q) for q in queues]
 
         def picked(t: torch.Tensor) -> torch.Tensor:
