@@ -16,7 +16,8 @@ compress in the same step (the pool reads and writes them together); with `--sta
 r's prompt is N·r tokens longer (mod 128), so requests compress at different steps and each
 compression is scored apart from the rest of the pool. Under BeaconKV's threshold schedule every
 prompt at or above the budget compresses to the same length at once, after which the requests
-run in lock-step: `--prompt-tokens` below the budget staggers them there too. Means are comparable, per-step tails are not.
+run in lock-step: `--prompt-tokens` below the budget staggers them there too. Means are
+comparable, per-step tails are not.
 
 Reported per method and request count: ms per decode step (all requests), ms per request, and
 that per-request cost as a fraction of the one-request cost (the goal: at most 1/3 at 16). The

@@ -194,6 +194,13 @@ def main() -> None:
         action="store_false",
         help="Run plain vLLM first only (by default it runs first and last, to show drift)",
     )
+    parser.add_argument(
+        "--no-plain",
+        dest="plain",
+        action="store_false",
+        help="Do not run plain vLLM (its run at fixed memory is the longest; the methods compare "
+        "with each other and with `short`, and the x plain column stays empty)",
+    )
     args = parser.parse_args()
     if args.worker:
         spec = json.loads(Path(args.worker[0]).read_text())
@@ -208,7 +215,8 @@ def main() -> None:
         "max_model_len": args.shared_prefix + args.prompt_tokens + 8 * args.requests + args.new_tokens
         + args.block_size,
     }  # fmt: skip
-    order = [PLAIN, *args.methods.split(","), *([PLAIN] if args.plain_last else [])]
+    order = [*([PLAIN] if args.plain else []), *args.methods.split(",")]
+    order += [PLAIN] if args.plain and args.plain_last else []
     for name in order:  # before any engine starts
         method, _, own = split_run(name)
         if own and method in (PLAIN, SHORT):
@@ -231,13 +239,15 @@ def main() -> None:
             )
             if args.out:  # after every run: an interrupted benchmark resumes from here
                 save(args.out, command, settings, order, rows)
-    plain = statistics.fmean(r["tok_s"] for r in rows if r["method"] == PLAIN)
+    plain_runs = [r["tok_s"] for r in rows if r["method"] == PLAIN]
+    plain = statistics.fmean(plain_runs) if plain_runs else None
 
     print(f"\n{'method':<24}{'tok/s':>8}{'x plain':>9}{'running':>9}{'mean':>7}{'queued':>7}{'preempt':>9}"
           f"{'KV use':>8}{'TTFT s':>8}{'TPOT ms':>9}{'x short':>8}{'hit %':>7}")  # fmt: skip
     short = next((r["tpot_s"] for r in rows if r["method"] == SHORT and r["tpot_s"]), None)
     for r in rows:
-        r["vs_plain"] = r["tok_s"] / plain
+        r["vs_plain"] = None if plain is None else r["tok_s"] / plain
+        vs_plain = f"{'-':>9}" if plain is None else f"{r['vs_plain']:>9.2f}"
         running = (
             f"{r['most_running']:>9}{r['mean_running']:>7.1f}" if "most_running" in r else f"{'-':>9}{'-':>7}"
         )
@@ -251,7 +261,7 @@ def main() -> None:
             r["tpot_vs_short"] = r["tpot_s"] / short
         vs_short = f"{r['tpot_vs_short']:>8.2f}" if "tpot_vs_short" in r else f"{'-':>8}"
         print(
-            f"{r['method']:<24}{r['tok_s']:>8.1f}{r['vs_plain']:>9.2f}{running}{r['preemptions']:>9}{usage}{ttft}"
+            f"{r['method']:<24}{r['tok_s']:>8.1f}{vs_plain}{running}{r['preemptions']:>9}{usage}{ttft}"
             f"{tpot}{vs_short}{hits}"
         )
     if args.out:
