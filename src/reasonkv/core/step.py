@@ -230,7 +230,7 @@ class LayerStep:
         )
         # A scorer that observes every forward may still let decode queries wait when it only
         # counts them (`steps_may_wait`): it then sees them as they join the window.
-        waits = not (self.observes_steps and not scorer.steps_may_wait) and not self.allocator_observes
+        waits = (not self.observes_steps or scorer.steps_may_wait) and not self.allocator_observes
         self.query_wait = query_wait if waits else 0
         self.scaling = 1.0  # the attention's, for an observation made when waiting queries join
         self._observe_joins()
@@ -375,10 +375,9 @@ class LayerStep:
         others are not scored, nor read for it, nor copied (a pool of requests where a few
         compress a step)."""
         storage: RowsStorage = self.storage
-        self.window.join()  # every row's waiting queries, observed: then these rows' queues settle
         chosen_rows = [r for r, yes in enumerate(rows.tolist()) if yes]  # the one read of the split
         chosen = torch.tensor(chosen_rows, dtype=torch.long, device=rows.device)
-        self.settle(chosen_rows)  # these rows only: the others keep what they hold back
+        self.settle(chosen_rows)  # every row's waiting queries join; these rows' queues settle
         part = storage.rows_copy(chosen)
         step = self.rows_copy(chosen, part)
         if keys is not None:  # read for on_step: these rows', as wide as their longest
